@@ -1,0 +1,35 @@
+# Two commands matter: `make demo` (arrives with the demo issue) and `make test`.
+# Both build .venv on first use; the stamp makes later runs a no-op unless
+# pyproject.toml changed.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install test lint typecheck pytest bench-core clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check convergenced tests benchmarks
+	$(BIN)/ruff format --check convergenced tests benchmarks
+
+typecheck: $(STAMP)
+	$(BIN)/mypy convergenced
+
+pytest: $(STAMP)
+	$(BIN)/pytest -q
+
+test: lint typecheck pytest
+
+bench-core: $(STAMP)
+	$(BIN)/python benchmarks/bench_core.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,115 @@
+"""Incremental aggregation of member records (a segment tree).
+
+Agreement needs, over all members of a stream: the intersection of their
+recoverable sets (the convergence interval), the lowest proposal, the lowest
+published restore point and the highest published high-water mark. Recomputing
+them from scratch costs O(members) per received record, which is O(N^2) work per
+round for a large cluster. A segment tree over the members updates in O(log N)
+and answers at the root in O(1).
+
+A member without a (spec-matching) record is *missing*: the intersection and the
+minima are then unknown (None), never guessed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from convergenced.core.interval_set import IntervalSet
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """The aggregate of a group of members (a leaf is a group of one)."""
+
+    missing: int
+    recoverable: IntervalSet | None
+    min_proposal: int | None
+    min_restore_point: int | None
+    max_high_water: int | None
+
+    @staticmethod
+    def absent() -> Summary:
+        """The leaf of a member we have no record from."""
+        return _ABSENT
+
+    @staticmethod
+    def of_member(
+        recoverable: IntervalSet,
+        proposal: int | None,
+        restore_point: int | None,
+        high_water: int | None,
+    ) -> Summary:
+        """The leaf of a member with a record."""
+        return Summary(0, recoverable, proposal, restore_point, high_water)
+
+
+_ABSENT = Summary(1, None, None, None, None)
+_EMPTY = Summary(0, None, None, None, None)  # padding leaves: neutral element
+
+
+def _min(a: int | None, b: int | None) -> int | None:
+    return None if a is None or b is None else min(a, b)
+
+
+def _combine(a: Summary, b: Summary) -> Summary:
+    if a is _EMPTY:
+        return b
+    if b is _EMPTY:
+        return a
+    rec = None
+    if a.recoverable is not None and b.recoverable is not None:
+        rec = a.recoverable & b.recoverable
+    if a.max_high_water is None:
+        hw = b.max_high_water
+    elif b.max_high_water is None:
+        hw = a.max_high_water
+    else:
+        hw = max(a.max_high_water, b.max_high_water)
+    return Summary(
+        a.missing + b.missing,
+        rec,
+        _min(a.min_proposal, b.min_proposal),
+        _min(a.min_restore_point, b.min_restore_point),
+        hw,
+    )
+
+
+class MemberAggregate:
+    """Segment tree of `Summary` leaves, one per member, with the root always current."""
+
+    __slots__ = ("_index", "_size", "_tree")
+
+    def __init__(self, members: tuple[str, ...]) -> None:
+        self._index = {m: i for i, m in enumerate(members)}
+        size = 1
+        while size < len(members):
+            size *= 2
+        self._size = size
+        tree = [_EMPTY] * (2 * size)
+        for i in range(len(members)):
+            tree[size + i] = _ABSENT
+        for i in range(size - 1, 0, -1):
+            tree[i] = _combine(tree[2 * i], tree[2 * i + 1])
+        self._tree = tree
+
+    def set(self, member: str, leaf: Summary) -> None:
+        """Replace ``member``'s leaf and update the path to the root."""
+        i = self._size + self._index[member]
+        tree = self._tree
+        if tree[i] == leaf:
+            return
+        tree[i] = leaf
+        i //= 2
+        while i:
+            tree[i] = _combine(tree[2 * i], tree[2 * i + 1])
+            i //= 2
+
+    def leaf(self, member: str) -> Summary:
+        """``member``'s current leaf."""
+        return self._tree[self._size + self._index[member]]
+
+    @property
+    def root(self) -> Summary:
+        """The aggregate over all members."""
+        return self._tree[1]

@@ -1,0 +1,151 @@
+"""Agreement on a stream: convergence interval, proposal, restore point, GC horizon.
+
+The rules, exactly as DESIGN.md section 2 defines them, for one node's view:
+
+* **Convergence interval** CI: the intersection of every member's recoverable set.
+  Unknown (None) until we hold a record of every member with our spec digest.
+* **Proposal**: max(CI) as this node sees it. Published in our record (phase one).
+* **Restore point** (phase two): the newest e in CI that every member has proposed,
+  i.e. ``max(CI ∩ [0, min proposal])``. It never moves backwards (S3) while it
+  stays in CI. When it drops out of CI (a retraction somewhere) the node *rolls
+  back*: it takes the best candidate again, but never one below the *rollback
+  floor* ``max(high_water of any member) - retention``.
+* **High-water mark**: the highest restore point a node ever published; made
+  durable before the record carrying it leaves the node.
+* **GC horizon** H: ``min(published restore point of every member) - retention``;
+  epochs below H are safe to delete, except those in a frozen set of an open
+  recovery generation.
+
+Why the floor keeps S1 (validity) through rollbacks: a node B deletes e only when
+e < H_B <= rp_A - retention for the rp_A that B saw A publish, and rp_A <= hw_A.
+So nothing at or above ``hw_A - retention`` was deleted anywhere, and a rollback
+that stays at or above it can only land on an epoch nobody retired. Frozen sets
+are cut at the same floor, which is what makes S4 hold without coordination.
+
+Knowledge levels say how far the node got; common knowledge is impossible, so the
+daemon reports the level it reached instead of pretending.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+from convergenced.core.aggregate import MemberAggregate, Summary
+from convergenced.core.interval_set import IntervalSet
+from convergenced.core.records import Record
+from convergenced.core.spec import StreamSpec
+
+
+class Knowledge(IntEnum):
+    """How much a node knows about its restore point (higher is more)."""
+
+    INCOMPLETE = 0
+    """Some member's record is missing (or conflicts): the interval is unknown."""
+    INTERVAL = 1
+    """Every member's recoverable set is known: the convergence interval is."""
+    PROPOSED = 2
+    """Every member proposed at least the restore point: all can restore it."""
+    PUBLISHED = 3
+    """Every member published a restore point at least ours: all know it is agreed."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The outcome of one evaluation of the rules for our own node."""
+
+    convergence: IntervalSet | None
+    proposal: int | None
+    restore_point: int | None
+    high_water: int | None
+    rollback: bool
+    floor: int | None
+    knowledge: Knowledge
+
+
+class StreamAgreement:
+    """The member aggregate of one stream and the rules evaluated over it."""
+
+    def __init__(self, spec: StreamSpec, me: str) -> None:
+        self.spec = spec
+        self.me = me
+        self.digest = spec.digest
+        self.members = frozenset(spec.member_ids)
+        self.aggregate = MemberAggregate(spec.member_ids)
+        self.conflicts: dict[str, bytes] = {}
+
+    def observe(self, record: Record) -> bool:
+        """Take a (winning) record of another member into the aggregate.
+
+        Returns True when a new spec conflict appeared.
+        """
+        if record.origin not in self.members or record.origin == self.me:
+            return False
+        if record.spec_digest != self.digest:
+            new = record.origin not in self.conflicts
+            self.conflicts[record.origin] = record.spec_digest
+            self.aggregate.set(record.origin, Summary.absent())
+            return new
+        self.conflicts.pop(record.origin, None)
+        self.aggregate.set(
+            record.origin,
+            Summary.of_member(
+                record.recoverable, record.proposal, record.restore_point, record.high_water
+            ),
+        )
+        return False
+
+    def decide(
+        self,
+        recoverable: IntervalSet,
+        previous_rp: int | None,
+        previous_proposal: int | None,
+        high_water: int | None,
+    ) -> Decision:
+        """Evaluate the rules with our own fresh recoverable set."""
+        agg = self.aggregate
+        agg.set(self.me, Summary.of_member(recoverable, previous_proposal, previous_rp, high_water))
+        root = agg.root
+        ci = root.recoverable if root.missing == 0 and not self.conflicts else None
+        proposal = ci.max() if ci is not None else None
+        agg.set(self.me, Summary.of_member(recoverable, proposal, previous_rp, high_water))
+        root = agg.root
+
+        best = None
+        if ci is not None and root.min_proposal is not None:
+            best = ci.max_at_most(root.min_proposal)
+        floor = None
+        if root.max_high_water is not None:
+            floor = max(root.max_high_water - self.spec.retention, 0)
+
+        rollback = False
+        if previous_rp is not None and (ci is None or previous_rp in ci):
+            # Still valid (or nothing new is known): never move backwards.
+            rp: int | None = previous_rp if best is None or best < previous_rp else best
+        else:
+            # First restore point, or the previous one was lost to a retraction.
+            rp = best if best is not None and (floor is None or best >= floor) else None
+            rollback = previous_rp is not None and (rp is None or rp < previous_rp)
+
+        new_hw = high_water
+        if rp is not None and (high_water is None or rp > high_water):
+            new_hw = rp
+        agg.set(self.me, Summary.of_member(recoverable, proposal, rp, new_hw))
+        root = agg.root
+
+        if ci is None:
+            knowledge = Knowledge.INCOMPLETE
+        elif rp is None or root.min_proposal is None or root.min_proposal < rp:
+            knowledge = Knowledge.INTERVAL
+        elif root.min_restore_point is not None and root.min_restore_point >= rp:
+            knowledge = Knowledge.PUBLISHED
+        else:
+            knowledge = Knowledge.PROPOSED
+        return Decision(ci, proposal, rp, new_hw, rollback, floor, knowledge)
+
+    def gc_horizon(self) -> int | None:
+        """Epochs below this are safe to delete (minus frozen sets); None: nothing is."""
+        root = self.aggregate.root
+        if root.missing or self.conflicts or root.min_restore_point is None:
+            return None
+        return max(root.min_restore_point - self.spec.retention, 0)

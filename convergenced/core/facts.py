@@ -1,0 +1,190 @@
+"""Local facts and the recoverable set they imply.
+
+A *fact* is something a rank or the daemon itself told us and that the daemon made
+durable before acting on it: a declaration, a commit, a retraction, a retirement, a
+frozen set for a recovery generation, or the restore-point high-water mark. The
+daemon writes facts to its write-ahead log and replays them on start; the core only
+ever sees facts that are already durable, so nothing it publishes can be forgotten
+by a crash.
+
+From the facts of one stream, `StreamFacts` computes the node's *recoverable set*
+E(n): the epochs for which every rank hosted here satisfies the stream's policy.
+Availability per (rank, domain) is tracked as an interval set that commits add to
+and retractions and retirements remove from. A retired epoch is gone for good: a
+commit for it is refused, because the daemon already told someone it could be
+deleted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from convergenced.core.errors import FactError
+from convergenced.core.interval_set import MAX_EPOCH, IntervalSet
+from convergenced.core.spec import PolicyMode, StreamSpec
+from convergenced.core.validate import NAME_RE
+
+
+@dataclass(frozen=True, slots=True)
+class Declare:
+    """A job declared (or re-declared, identically) a stream on this node."""
+
+    spec: StreamSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    """Rank ``rank`` made ``epoch`` durable in ``domain``."""
+
+    stream: str
+    rank: int
+    domain: str
+    epoch: int
+    digest: str = ""
+    """Content digest the rank computed (opaque to the core; kept in the log)."""
+    size: int = 0
+    """Bytes written (opaque to the core; kept in the log)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Retract:
+    """``epoch`` is no longer readable in ``domain`` for ``rank`` (lost, corrupt)."""
+
+    stream: str
+    rank: int
+    domain: str
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Retire:
+    """Rank ``rank`` deleted ``epoch`` from ``domain`` after the daemon said it was safe."""
+
+    stream: str
+    rank: int
+    domain: str
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Freeze:
+    """This node's frozen recoverable set for recovery generation ``generation``."""
+
+    stream: str
+    generation: int
+    epochs: IntervalSet
+
+
+@dataclass(frozen=True, slots=True)
+class HighWater:
+    """The highest restore point this node has ever published for ``stream``.
+
+    Produced by the core itself; it must be durable before the record that carries
+    the restore point leaves the node, because other nodes garbage-collect below it.
+    """
+
+    stream: str
+    epoch: int
+
+
+Fact = Declare | Commit | Retract | Retire | Freeze | HighWater
+EpochFact = Commit | Retract | Retire
+
+
+@dataclass(slots=True)
+class StreamFacts:
+    """All local facts of one stream on one node, and what follows from them."""
+
+    spec: StreamSpec
+    node: str
+    available: dict[tuple[int, str], IntervalSet] = field(default_factory=dict)
+    retired: dict[tuple[int, str], IntervalSet] = field(default_factory=dict)
+    frozen: dict[int, IntervalSet] = field(default_factory=dict)
+    """Open recovery generations this node has frozen."""
+    closed_below: int = 0
+    """Generations below this number are closed (superseded)."""
+    high_water: int | None = None
+    _rank_sets: dict[int, IntervalSet] = field(default_factory=dict)
+    _recoverable: IntervalSet = field(default_factory=IntervalSet)
+
+    def __post_init__(self) -> None:
+        self._recompute_all()
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The ranks this node hosts in the stream."""
+        return self.spec.ranks_of(self.node)
+
+    @property
+    def recoverable(self) -> IntervalSet:
+        """E(n): epochs every local rank can restore under the policy."""
+        return self._recoverable
+
+    # -- validation and application ----------------------------------------
+
+    def check(self, fact: EpochFact) -> None:
+        """Raise `FactError` if ``fact`` cannot be applied; never changes anything."""
+        if fact.rank not in self.ranks:
+            raise FactError(
+                f"stream {self.spec.name!r}: rank {fact.rank} is not hosted by {self.node}",
+                reason="unknown_rank",
+            )
+        if not isinstance(fact.domain, str) or not NAME_RE.match(fact.domain):
+            raise FactError(f"domain {fact.domain!r} is not a valid name", reason="bad_domain")
+        if type(fact.epoch) is not int or not 0 <= fact.epoch <= MAX_EPOCH:
+            raise FactError(f"epoch {fact.epoch!r} is not in [0, 2^63-1]", reason="bad_epoch")
+        key = (fact.rank, fact.domain)
+        if isinstance(fact, Commit) and fact.epoch in self.retired.get(key, IntervalSet()):
+            raise FactError(
+                f"stream {self.spec.name!r}: epoch {fact.epoch} was retired from "
+                f"{fact.domain} by rank {fact.rank}; commit a new epoch instead",
+                reason="retired",
+            )
+
+    def apply(self, fact: EpochFact) -> bool:
+        """Apply a checked fact; return True when the recoverable set or newest changed."""
+        self.check(fact)
+        key = (fact.rank, fact.domain)
+        before = self.available.get(key, IntervalSet())
+        one = IntervalSet.of(fact.epoch)
+        if isinstance(fact, Commit):
+            after = before | one
+        else:
+            after = before - one
+            if isinstance(fact, Retire):
+                self.retired[key] = self.retired.get(key, IntervalSet()) | one
+        if after == before:
+            return False
+        self.available[key] = after
+        if fact.domain in self.spec.policy.domains:
+            self._recompute_rank(fact.rank)
+        return True
+
+    # -- derived state -------------------------------------------------------
+
+    def newest_by_domain(self) -> dict[str, int]:
+        """Per domain, the newest epoch that every local rank holds there."""
+        domains = sorted({d for _, d in self.available})
+        out: dict[str, int] = {}
+        for d in domains:
+            sets = [self.available.get((r, d), IntervalSet()) for r in self.ranks]
+            common = IntervalSet.intersect_all(sets)
+            newest = common.max()
+            if newest is not None:
+                out[d] = newest
+        return out
+
+    def _rank_set(self, rank: int) -> IntervalSet:
+        sets = [self.available.get((rank, d), IntervalSet()) for d in self.spec.policy.domains]
+        if self.spec.policy.mode is PolicyMode.ALL:
+            return IntervalSet.intersect_all(sets)
+        return IntervalSet.union_all(sets)
+
+    def _recompute_rank(self, rank: int) -> None:
+        self._rank_sets[rank] = self._rank_set(rank)
+        self._recoverable = IntervalSet.intersect_all([self._rank_sets[r] for r in self.ranks])
+
+    def _recompute_all(self) -> None:
+        for r in self.ranks:
+            self._rank_sets[r] = self._rank_set(r)
+        self._recoverable = IntervalSet.intersect_all([self._rank_sets[r] for r in self.ranks])

@@ -1,0 +1,469 @@
+"""The link state machine: an OAE-style token exchange between two nodes.
+
+Everything that affects the link's state and its transitions lives in this module
+(as in h11's ``_state.py``). The rules:
+
+1. Both sides send HELLO as soon as the connection is up. HELLO names the cluster,
+   the node and its incarnation, and carries a summary of the record stamps the
+   sender holds, so neither side replays what the other already has.
+2. After the HELLOs the *initiator* (the side that dialled) holds the token.
+3. Only the token holder may start an exchange, by sending TICK (its deltas for
+   the peer and its view digest). The other side merges and answers TOCK (its own
+   deltas and the digest of its merged view). The token then passes to the side
+   that answered. So exactly one exchange is in flight, the token alternates, and
+   every message acknowledges the one before it (TICK seqs count up by one per
+   exchange; a TOCK repeats its TICK's seq).
+4. The holder sends TICK at once when it has deltas or was nudged, and otherwise
+   after ``idle_ticks`` timer ticks: that is the heartbeat. A side waiting for the
+   token with deltas of its own sends one NUDGE per token period.
+5. A side that has received nothing for ``dead_ticks`` timer ticks declares the
+   link down (missed toggles, counted in ticks, never read from a clock).
+6. When, after merging the peer's message, our digest equals the digest in it,
+   both hold the same state (*in sync*); when the peer's message also said it had
+   matched our previous digest, we know that it knows (*mutual*).
+7. Any message not allowed in the current state is a `RemoteProtocolError`; any
+   send not allowed is a `LocalProtocolError`. Both name the state and the event,
+   and the link is CLOSED afterwards. BYE closes from any open state.
+8. After a reconnect a new Link starts from rule 1; replayed records are harmless
+   because merge is idempotent.
+
+The table `TRANSITIONS` is the whole state machine; the `Link` class only decides
+*when* to take a transition and what the messages carry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from convergenced.core.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
+from convergenced.core.messages import Bye, Hello, Message, Nudge, Tick, Tock
+from convergenced.core.node import NodeCore
+from convergenced.core.records import Record, RecordKey
+from convergenced.core.wire import (
+    FrameDecoder,
+    WireLimits,
+    decode_message,
+    encode_message,
+    pack,
+)
+
+
+class Role(Enum):
+    """Which side of the connection we are."""
+
+    INITIATOR = "initiator"
+    """We dialled; we hold the token first."""
+    ACCEPTOR = "acceptor"
+    """We accepted; the peer holds the token first."""
+
+
+class LinkState(Enum):
+    """States of a link."""
+
+    START = "START"
+    """Connected, nothing sent yet."""
+    HELLO_SENT = "HELLO_SENT"
+    """Our HELLO is out; waiting for the peer's."""
+    HOLDING = "HOLDING"
+    """We hold the token and no exchange is in flight."""
+    TICK_SENT = "TICK_SENT"
+    """Our TICK is in flight; waiting for its TOCK."""
+    WAITING = "WAITING"
+    """The peer holds the token (or its TICK is in flight)."""
+    ANSWERING = "ANSWERING"
+    """We received a TICK and owe its TOCK (transient, inside one call)."""
+    CLOSED = "CLOSED"
+    """Closed by BYE, error or failure detection; final."""
+
+
+class Ev(Enum):
+    """Events of the state machine: a message sent or received, or a timeout."""
+
+    SEND_HELLO = "send HELLO"
+    RECV_HELLO = "recv HELLO"
+    SEND_TICK = "send TICK"
+    RECV_TICK = "recv TICK"
+    SEND_TOCK = "send TOCK"
+    RECV_TOCK = "recv TOCK"
+    SEND_NUDGE = "send NUDGE"
+    RECV_NUDGE = "recv NUDGE"
+    SEND_BYE = "send BYE"
+    RECV_BYE = "recv BYE"
+    DEAD = "link dead"
+
+
+S = LinkState
+_OPEN = (S.START, S.HELLO_SENT, S.HOLDING, S.TICK_SENT, S.WAITING, S.ANSWERING)
+
+
+def _table(role: Role) -> dict[LinkState, dict[Ev, LinkState]]:
+    first = S.HOLDING if role is Role.INITIATOR else S.WAITING
+    t: dict[LinkState, dict[Ev, LinkState]] = {
+        S.START: {Ev.SEND_HELLO: S.HELLO_SENT},
+        S.HELLO_SENT: {Ev.RECV_HELLO: first},
+        S.HOLDING: {Ev.SEND_TICK: S.TICK_SENT, Ev.RECV_NUDGE: S.HOLDING},
+        S.TICK_SENT: {Ev.RECV_TOCK: S.WAITING, Ev.RECV_NUDGE: S.TICK_SENT},
+        S.WAITING: {Ev.RECV_TICK: S.ANSWERING, Ev.SEND_NUDGE: S.WAITING},
+        S.ANSWERING: {Ev.SEND_TOCK: S.HOLDING},
+        S.CLOSED: {},
+    }
+    for state in _OPEN:
+        t[state].update({Ev.SEND_BYE: S.CLOSED, Ev.RECV_BYE: S.CLOSED, Ev.DEAD: S.CLOSED})
+    return t
+
+
+TRANSITIONS: dict[Role, dict[LinkState, dict[Ev, LinkState]]] = {
+    role: _table(role) for role in Role
+}
+"""``TRANSITIONS[role][state][event] -> next state``; anything absent is illegal."""
+
+
+# -- configuration and events ---------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LinkConfig:
+    """Per-link settings; durations are in timer ticks, never in seconds."""
+
+    cluster: str
+    idle_ticks: int = 1
+    """Heartbeat: an idle holder sends TICK after this many timer ticks."""
+    dead_ticks: int = 10
+    """Nothing received for this many timer ticks: the link is down."""
+    expected_peer: str | None = None
+    """When dialling a known node, the node id the HELLO must carry."""
+    allowed_peers: frozenset[str] | None = None
+    """The cluster's node ids (None: any name is admitted)."""
+    limits: WireLimits = field(default_factory=WireLimits)
+
+
+@dataclass(frozen=True, slots=True)
+class Established:
+    """HELLOs exchanged: the peer is ``peer`` at ``incarnation``."""
+
+    peer: str
+    incarnation: int
+
+
+@dataclass(frozen=True, slots=True)
+class RecordsMerged:
+    """Records from the peer that changed our view."""
+
+    records: tuple[Record, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ExchangeDone:
+    """An exchange completed (we received the TOCK of our TICK, or sent one)."""
+
+    seq: int
+    in_sync: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Closed:
+    """The link is closed; ``error`` is set when a rule was broken."""
+
+    reason: str
+    error: ProtocolError | None = None
+
+
+LinkEvent = Established | RecordsMerged | ExchangeDone | Closed
+
+
+# -- the link -----------------------------------------------------------------
+
+
+class Link:
+    """One side of one peer connection, driven by bytes in and timer ticks.
+
+    Usage (h11 style): `start`, then feed `receive_data` and `on_timer`, call `poll`
+    after local changes, and after each call send `data_to_send()` and drain
+    `next_event()`.
+    """
+
+    def __init__(self, node: NodeCore, role: Role, config: LinkConfig) -> None:
+        self.node = node
+        self.role = role
+        self.config = config
+        self.state = S.START
+        self.peer: str | None = None
+        self.peer_incarnation: int | None = None
+        self.seq = 0
+        """Seq of the last exchange (TICK/TOCK pair) on this link."""
+        self.in_sync = False
+        self.mutual = False
+        self.frames_sent = 0
+        self.frames_received = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.records_sent = 0
+        self._decoder = FrameDecoder(config.limits)
+        self._out = bytearray()
+        self._events: list[LinkEvent] = []
+        self._peer_known: dict[RecordKey, tuple[int, int]] = {}
+        self._sent_seq = 0
+        self._backlog: list[Record] = []
+        self._ticks_since_recv = 0
+        self._ticks_since_sent = 0
+        self._nudged = False  # we sent NUDGE this token period
+        self._nudge_received = False  # peer nudged us this token period
+        self._peer_matched = False  # peer's last message said it matched our digest
+
+    # -- transitions ----------------------------------------------------------
+
+    def _fire(self, event: Ev) -> None:
+        nxt = TRANSITIONS[self.role][self.state].get(event)
+        if nxt is None:
+            remote = event.value.startswith("recv")
+            cls = RemoteProtocolError if remote else LocalProtocolError
+            err = cls(f"{event.value} is not allowed in state {self.state.value}",
+                      reason="out_of_order")  # fmt: skip
+            self._close_with(err)
+            raise err
+        self.state = nxt
+
+    def _close_with(self, err: ProtocolError) -> None:
+        if self.state is not S.CLOSED:
+            if isinstance(err, RemoteProtocolError):
+                self._emit(Bye(reason=f"{err.reason}: {err}"[:256]))
+            self.state = S.CLOSED
+            self._events.append(Closed(str(err), err))
+
+    # -- public API -------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        """True once the link reached CLOSED (final)."""
+        return self.state is S.CLOSED
+
+    def start(self) -> None:
+        """Send our HELLO (call once the connection is up)."""
+        self._fire(Ev.SEND_HELLO)
+        self._emit(self._hello())
+
+    def receive_data(self, data: bytes) -> None:
+        """Feed bytes from the peer; ``b""`` means the peer closed the connection.
+
+        Raises:
+            RemoteProtocolError: the peer broke a rule; the link is now CLOSED.
+        """
+        if self.state is S.CLOSED:
+            return
+        if not data:
+            self.state = S.CLOSED
+            self._events.append(Closed("connection closed by peer"))
+            return
+        self.bytes_received += len(data)
+        self._decoder.feed(data)
+        while not self.closed:
+            try:
+                frame = self._decoder.next_frame()
+                if frame is None:
+                    break
+                msg = decode_message(frame[0], frame[1], self.config.limits)
+            except RemoteProtocolError as err:
+                self._close_with(err)
+                raise
+            self.frames_received += 1
+            self._ticks_since_recv = 0
+            self._handle(msg)
+        self.poll()
+
+    def on_timer(self) -> None:
+        """One timer tick elapsed: heartbeat and failure detection."""
+        if self.state is S.CLOSED:
+            return
+        self._ticks_since_recv += 1
+        self._ticks_since_sent += 1
+        if self._ticks_since_recv >= self.config.dead_ticks:
+            self._fire(Ev.DEAD)
+            self._events.append(
+                Closed(f"no message for {self._ticks_since_recv} ticks: link declared down")
+            )
+            return
+        self.poll()
+
+    def poll(self) -> None:
+        """Send what the rules call for now (after local changes, or any input)."""
+        if self.state is S.HOLDING:
+            deltas = self._deltas()
+            idle = self._ticks_since_sent >= self.config.idle_ticks
+            if deltas or self._nudge_received or idle:
+                self._send_tick(deltas)
+        elif self.state is S.WAITING and not self._nudged and self._has_deltas():
+            self._fire(Ev.SEND_NUDGE)
+            self._nudged = True
+            self._emit(Nudge())
+
+    def close(self, reason: str = "shutting down") -> None:
+        """Send BYE and close (no-op when already closed)."""
+        if self.state is S.CLOSED:
+            return
+        if self.state is not S.START:
+            self._emit(Bye(reason=reason[:256]))
+        self._fire(Ev.SEND_BYE)
+        self._events.append(Closed(reason))
+
+    def data_to_send(self) -> bytes:
+        """Bytes queued for the peer since the last call."""
+        out = bytes(self._out)
+        self._out.clear()
+        return out
+
+    def next_event(self) -> LinkEvent | None:
+        """The next event, or None."""
+        return self._events.pop(0) if self._events else None
+
+    # -- handlers ---------------------------------------------------------------
+
+    def _handle(self, msg: Message) -> None:
+        if isinstance(msg, Hello):
+            self._fire(Ev.RECV_HELLO)
+            self._on_hello(msg)
+        elif isinstance(msg, Tick):
+            self._fire(Ev.RECV_TICK)
+            if msg.seq != self.seq + 1:
+                self._protocol_violation(f"TICK.seq: {msg.seq}, expected {self.seq + 1}")
+            self.seq = msg.seq
+            self._nudged = False
+            self._take(msg.records, msg.digest, msg.match)
+            records = self._deltas()
+            self._fire(Ev.SEND_TOCK)
+            self._emit(Tock(self.seq, self.node.view.digest, self.in_sync, tuple(records)))
+            self._mark_sent(records)
+            self._nudge_received = False
+            self._events.append(ExchangeDone(self.seq, self.in_sync))
+        elif isinstance(msg, Tock):
+            self._fire(Ev.RECV_TOCK)
+            if msg.seq != self.seq:
+                self._protocol_violation(f"TOCK.seq: {msg.seq}, expected {self.seq}")
+            self._take(msg.records, msg.digest, msg.match)
+            self._nudge_received = False
+            self._events.append(ExchangeDone(self.seq, self.in_sync))
+        elif isinstance(msg, Nudge):
+            if self._nudge_received:
+                self._fire(Ev.RECV_NUDGE)
+                self._protocol_violation("NUDGE: more than one per token period")
+            self._fire(Ev.RECV_NUDGE)
+            self._nudge_received = True
+        else:
+            self._fire(Ev.RECV_BYE)
+            self._events.append(Closed(f"peer said goodbye: {msg.reason}"))
+
+    def _protocol_violation(self, text: str, reason: str = "out_of_order") -> None:
+        err = RemoteProtocolError(text, reason=reason)
+        self._close_with(err)
+        raise err
+
+    def _on_hello(self, hello: Hello) -> None:
+        cfg = self.config
+        if hello.cluster != cfg.cluster:
+            self._protocol_violation(
+                f"HELLO.cluster: {hello.cluster!r}, expected {cfg.cluster!r}", "wrong_cluster"
+            )
+        if hello.node == self.node.node_id:
+            self._protocol_violation(f"HELLO.node: {hello.node!r} is ourselves", "self_connection")
+        if cfg.expected_peer is not None and hello.node != cfg.expected_peer:
+            self._protocol_violation(
+                f"HELLO.node: {hello.node!r}, expected {cfg.expected_peer!r}", "unexpected_peer"
+            )
+        if cfg.allowed_peers is not None and hello.node not in cfg.allowed_peers:
+            self._protocol_violation(f"HELLO.node: {hello.node!r} is not in the cluster",
+                                     "unknown_node")  # fmt: skip
+        self.peer = hello.node
+        self.peer_incarnation = hello.incarnation
+        for stream, origin, inc, ver in hello.summary:
+            self._note_known((stream, origin), (inc, ver))
+        # Deltas start from the whole view, filtered by what the summary says.
+        self._sent_seq = 0
+        self.in_sync = hello.digest == self.node.view.digest
+        self._events.append(Established(hello.node, hello.incarnation))
+
+    def _take(self, records: tuple[Record, ...], digest: bytes, peer_matched: bool) -> None:
+        for rec in records:
+            self._note_known(rec.key, rec.stamp)
+        kept = self.node.receive(records) if records else []
+        if kept:
+            self._events.append(RecordsMerged(tuple(kept)))
+        self.in_sync = digest == self.node.view.digest
+        self._peer_matched = peer_matched
+        self.mutual = self.in_sync and peer_matched
+
+    def _send_tick(self, records: list[Record]) -> None:
+        self._fire(Ev.SEND_TICK)
+        self.seq += 1
+        self._emit(Tick(self.seq, self.node.view.digest, self.in_sync, tuple(records)))
+        self._mark_sent(records)
+
+    # -- deltas -------------------------------------------------------------------
+
+    def _note_known(self, key: RecordKey, stamp: tuple[int, int]) -> None:
+        old = self._peer_known.get(key)
+        if old is None or stamp > old:
+            self._peer_known[key] = stamp
+
+    def _has_deltas(self) -> bool:
+        if self._backlog:
+            return True
+        known = self._peer_known
+        for rec in self.node.view.changed_since(self._sent_seq):
+            s = known.get(rec.key)
+            if s is None or rec.stamp > s:
+                return True
+        return False
+
+    def _deltas(self) -> list[Record]:
+        """Records the peer lacks as far as we know, within the frame budget."""
+        view = self.node.view
+        known = self._peer_known
+        fresh = view.changed_since(self._sent_seq)
+        self._sent_seq = view.seq
+        pending = self._backlog + fresh
+        out: list[Record] = []
+        budget = self.config.limits.max_frame_bytes // 2
+        limit = self.config.limits.max_records
+        self._backlog = []
+        seen: set[RecordKey] = set()
+        for i, rec in enumerate(pending):
+            current = view.get(rec.key) or rec
+            if current.key in seen:
+                continue
+            s = known.get(current.key)
+            if s is not None and current.stamp <= s:
+                continue
+            size = len(pack(current.to_wire()))
+            if len(out) >= limit or size > budget:
+                self._backlog = [r for r in pending[i:] if r.key not in seen]
+                break
+            budget -= size
+            seen.add(current.key)
+            out.append(current)
+        return out
+
+    def _mark_sent(self, records: list[Record]) -> None:
+        # TCP delivers in order or the connection (and this Link) dies, so what we
+        # sent is what the peer will hold.
+        for rec in records:
+            self._note_known(rec.key, rec.stamp)
+        self.records_sent += len(records)
+
+    def _hello(self) -> Hello:
+        view = self.node.view
+        summary = [(r.stream, r.origin, r.incarnation, r.version) for r in view]
+        cap = self.config.limits.max_summary
+        return Hello(
+            self.config.cluster,
+            self.node.node_id,
+            self.node.incarnation,
+            view.digest,
+            tuple(summary[:cap]),
+        )
+
+    def _emit(self, msg: Message) -> None:
+        frame = encode_message(msg)
+        self._out += frame
+        self.frames_sent += 1
+        self.bytes_sent += len(frame)
+        self._ticks_since_sent = 0

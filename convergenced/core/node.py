@@ -1,0 +1,437 @@
+"""The node core: local facts, the view, agreement, and our own published records.
+
+`NodeCore` is what one daemon (or one simulated node) runs. It is driven by two
+kinds of input and never does I/O:
+
+* **facts** (`apply`): declarations, commits, retractions, retirements and frozen
+  sets, which the caller has already made durable;
+* **records** (`receive`): from peers, through links.
+
+After either, the node re-evaluates the affected streams and, when anything it
+publishes changed, merges a new version of its own record into the view, from
+where the links pick it up.
+
+**Durability contract.** When the restore point rises above the high-water mark,
+the core appends a `HighWater` fact to `pending_facts`. The caller must make those
+durable before it sends any byte produced after they appeared: other nodes delete
+checkpoints on the strength of that mark, so it must survive a crash (see
+`agreement`). The daemon does it with the same group commit as commits; the
+simulator treats it as instantly durable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from convergenced.core.agreement import Decision, Knowledge, StreamAgreement
+from convergenced.core.errors import FactError, SpecConflictError, SpecError, UnknownStreamError
+from convergenced.core.facts import (
+    Commit,
+    Declare,
+    Fact,
+    Freeze,
+    HighWater,
+    Retire,
+    Retract,
+    StreamFacts,
+)
+from convergenced.core.interval_set import IntervalSet
+from convergenced.core.records import MAX_GENERATIONS, Record, View
+from convergenced.core.spec import StreamSpec
+
+# -- events -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RestorePointChanged:
+    """Our restore point moved; ``rollback`` when it moved backwards or vanished."""
+
+    stream: str
+    old: int | None
+    new: int | None
+    rollback: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SpecConflictDetected:
+    """A member published a record under a different spec digest."""
+
+    stream: str
+    member: str
+    digest: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResolved:
+    """Every member's frozen set of ``generation`` is known; its answer is final."""
+
+    stream: str
+    generation: int
+    restore_point: int | None
+
+
+NodeEvent = RestorePointChanged | SpecConflictDetected | GenerationResolved
+
+
+# -- answers ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationAnswer:
+    """The restore point of a recovery generation, or what it still waits for."""
+
+    generation: int
+    resolved: bool
+    restore_point: int | None
+    """Final once resolved (None: the frozen sets have no common epoch)."""
+    waiting_for: tuple[str, ...]
+    """Members whose frozen set is not known yet."""
+    lost: bool = False
+    """The resolved epoch has since been retracted: open a newer generation."""
+
+
+class GenerationClosedError(FactError):
+    """The generation was superseded by a newer one that is already resolved."""
+
+    def __init__(self, stream: str, generation: int, closed_below: int) -> None:
+        super().__init__(
+            f"stream {stream!r}: generation {generation} is closed "
+            f"(generation {closed_below} or newer is resolved)",
+            reason="generation_closed",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StreamStatus:
+    """Everything a client may want to know about one stream on this node."""
+
+    stream: str
+    spec: StreamSpec
+    recoverable: IntervalSet
+    convergence: IntervalSet | None
+    proposal: int | None
+    restore_point: int | None
+    knowledge: Knowledge
+    high_water: int | None
+    rollback_floor: int | None
+    gc_horizon: int | None
+    safe_to_delete: IntervalSet
+    missing: tuple[str, ...]
+    conflicts: tuple[tuple[str, str], ...]
+    newest: dict[str, dict[str, int]]
+    """Per member, per domain, the newest epoch all its ranks hold."""
+    skew: int | None
+    """max - min over members of their newest recoverable epoch (None if unknown)."""
+    generations: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class _Stream:
+    facts: StreamFacts
+    agreement: StreamAgreement
+    decision: Decision | None = None
+    resolved: dict[int, int | None] = field(default_factory=dict)
+
+
+class NodeCore:
+    """One node's protocol state. See the module docstring for the contract."""
+
+    def __init__(self, node_id: str, incarnation: int) -> None:
+        self.node_id = node_id
+        self.incarnation = incarnation
+        self.view = View()
+        self._streams: dict[str, _Stream] = {}
+        self._version = 0
+        self.pending_facts: list[Fact] = []
+        self.events: list[NodeEvent] = []
+
+    # -- facts ----------------------------------------------------------------
+
+    def check(self, fact: Fact) -> None:
+        """Raise a typed error if ``fact`` would be refused; never changes anything."""
+        if isinstance(fact, Declare):
+            self._check_declare(fact.spec)
+            return
+        st = self._streams.get(fact.stream)
+        if st is None:
+            raise UnknownStreamError(fact.stream)
+        if isinstance(fact, Commit | Retract | Retire):
+            st.facts.check(fact)
+        elif isinstance(fact, Freeze) and fact.generation < st.facts.closed_below:
+            raise GenerationClosedError(fact.stream, fact.generation, st.facts.closed_below)
+
+    def apply(self, fact: Fact) -> None:
+        """Apply a durable fact (checked first) and re-evaluate its stream."""
+        self.check(fact)
+        if isinstance(fact, Declare):
+            if fact.spec.name not in self._streams:
+                self._streams[fact.spec.name] = self._new_stream(fact.spec)
+            name = fact.spec.name
+        else:
+            name = fact.stream
+            st = self._streams[name]
+            if isinstance(fact, Commit | Retract | Retire):
+                st.facts.apply(fact)
+            elif isinstance(fact, Freeze):
+                st.facts.frozen.setdefault(fact.generation, fact.epochs)
+                while len(st.facts.frozen) > MAX_GENERATIONS:
+                    del st.facts.frozen[min(st.facts.frozen)]
+            elif isinstance(fact, HighWater):
+                hw = st.facts.high_water
+                st.facts.high_water = fact.epoch if hw is None else max(hw, fact.epoch)
+        self._refresh(name)
+
+    def _check_declare(self, spec: StreamSpec) -> None:
+        if self.node_id not in spec.member_ids:
+            raise SpecError(f"stream {spec.name!r}: this node ({self.node_id}) is not a member")
+        st = self._streams.get(spec.name)
+        if st is not None and st.facts.spec != spec:
+            ours = st.facts.spec
+            raise SpecConflictError(
+                spec.name, ours.digest.hex()[:16], spec.digest.hex()[:16],
+                "; ".join(ours.differences(spec)),
+            )  # fmt: skip
+        digest = spec.digest
+        for origin, rec in self.view.stream(spec.name).items():
+            if origin in spec.member_ids and rec.spec_digest != digest:
+                raise SpecConflictError(
+                    spec.name, digest.hex()[:16], rec.spec_digest.hex()[:16],
+                    f"member {origin} declared a different spec",
+                )  # fmt: skip
+
+    def _new_stream(self, spec: StreamSpec) -> _Stream:
+        st = _Stream(StreamFacts(spec, self.node_id), StreamAgreement(spec, self.node_id))
+        for rec in self.view.stream(spec.name).values():
+            st.agreement.observe(rec)
+        return st
+
+    def freeze_fact(self, stream: str, generation: int) -> Freeze | None:
+        """The `Freeze` fact to persist for our first request of ``generation``.
+
+        Returns None when we froze that generation already. The frozen set is our
+        recoverable set cut at our rollback floor, so no member can have deleted
+        any epoch in it (see `agreement`).
+
+        Raises:
+            UnknownStreamError: the stream is not declared here.
+            GenerationClosedError: a newer generation is already resolved.
+        """
+        st = self._stream(stream)
+        if generation < st.facts.closed_below:
+            raise GenerationClosedError(stream, generation, st.facts.closed_below)
+        if generation in st.facts.frozen:
+            return None
+        epochs = st.facts.recoverable
+        hw = st.facts.high_water
+        if hw is not None:
+            epochs = epochs.at_least(hw - st.facts.spec.retention)
+        return Freeze(stream, generation, epochs)
+
+    # -- records from peers ---------------------------------------------------
+
+    def receive(self, records: Iterable[Record]) -> list[Record]:
+        """Merge records from a peer; re-evaluate touched streams; return those kept.
+
+        Records about ourselves from a previous life are kept for relaying but never
+        drive our state; a record claiming *our* current incarnation that we did not
+        produce is ignored (another process is using our identity).
+        """
+        kept: list[Record] = []
+        touched: set[str] = set()
+        for rec in records:
+            if rec.origin == self.node_id and rec.incarnation >= self.incarnation:
+                continue
+            if self.view.merge(rec):
+                kept.append(rec)
+                st = self._streams.get(rec.stream)
+                if st is not None:
+                    if st.agreement.observe(rec):
+                        self.events.append(
+                            SpecConflictDetected(rec.stream, rec.origin, rec.spec_digest)
+                        )
+                    touched.add(rec.stream)
+        for name in sorted(touched):
+            self._refresh(name)
+        return kept
+
+    # -- queries --------------------------------------------------------------
+
+    def streams(self) -> list[str]:
+        """Streams declared on this node."""
+        return sorted(self._streams)
+
+    def spec(self, stream: str) -> StreamSpec:
+        """The declared spec of ``stream``."""
+        return self._stream(stream).facts.spec
+
+    def generation(self, stream: str, generation: int) -> GenerationAnswer:
+        """The answer for ``generation`` (resolved or waiting); freeze it first."""
+        st = self._stream(stream)
+        if generation < st.facts.closed_below and generation not in st.resolved:
+            raise GenerationClosedError(stream, generation, st.facts.closed_below)
+        if generation in st.resolved:
+            rp = st.resolved[generation]
+            ci = st.decision.convergence if st.decision else None
+            lost = rp is not None and ci is not None and rp not in ci
+            return GenerationAnswer(generation, True, rp, (), lost)
+        sets: list[IntervalSet] = []
+        waiting: list[str] = []
+        records = self.view.stream(stream)
+        for member in st.facts.spec.member_ids:
+            if member == self.node_id:
+                s = st.facts.frozen.get(generation)
+            else:
+                rec = records.get(member)
+                ok = rec is not None and rec.spec_digest == st.agreement.digest
+                s = rec.generation(generation) if rec is not None and ok else None
+            if s is None:
+                waiting.append(member)
+            else:
+                sets.append(s)
+        if waiting:
+            return GenerationAnswer(generation, False, None, tuple(waiting))
+        rp = IntervalSet.intersect_all(sets).max()
+        st.resolved[generation] = rp
+        self.events.append(GenerationResolved(stream, generation, rp))
+        # A resolved generation supersedes older ones: they stop protecting epochs.
+        if generation > st.facts.closed_below:
+            st.facts.closed_below = generation
+            for g in [g for g in st.facts.frozen if g < generation]:
+                del st.facts.frozen[g]
+            if st.decision is not None:
+                self._publish(st)
+        return GenerationAnswer(generation, True, rp, ())
+
+    def status(self, stream: str) -> StreamStatus:
+        """A consistent snapshot of ``stream`` as this node sees it."""
+        st = self._stream(stream)
+        d = st.decision
+        assert d is not None  # every declared stream was refreshed at least once
+        records = self.view.stream(stream)
+        newest: dict[str, dict[str, int]] = {}
+        tops: list[int] = []
+        for member in st.facts.spec.member_ids:
+            if member == self.node_id:
+                newest[member] = st.facts.newest_by_domain()
+                top = st.facts.recoverable.max()
+            else:
+                rec = records.get(member)
+                if rec is None or member in st.agreement.conflicts:
+                    continue
+                newest[member] = dict(rec.newest)
+                top = rec.recoverable.max()
+            if top is not None:
+                tops.append(top)
+        complete = len(tops) == len(st.facts.spec.member_ids)
+        skew = max(tops) - min(tops) if complete else None
+        missing = tuple(
+            m for m in st.facts.spec.member_ids if m != self.node_id and m not in records
+        )
+        return StreamStatus(
+            stream=stream,
+            spec=st.facts.spec,
+            recoverable=st.facts.recoverable,
+            convergence=d.convergence,
+            proposal=d.proposal,
+            restore_point=d.restore_point,
+            knowledge=d.knowledge,
+            high_water=st.facts.high_water,
+            rollback_floor=d.floor,
+            gc_horizon=st.agreement.gc_horizon(),
+            safe_to_delete=self.safe_to_delete(stream),
+            missing=missing,
+            conflicts=tuple(sorted((m, dg.hex()) for m, dg in st.agreement.conflicts.items())),
+            newest=newest,
+            skew=skew,
+            generations=tuple(sorted(st.facts.frozen)),
+        )
+
+    def restore_point(self, stream: str) -> int | None:
+        """Our current restore point of ``stream``."""
+        d = self._stream(stream).decision
+        return d.restore_point if d else None
+
+    def safe_to_delete(self, stream: str) -> IntervalSet:
+        """Epochs of our recoverable range that may be deleted now (S4)."""
+        st = self._stream(stream)
+        horizon = st.agreement.gc_horizon()
+        if horizon is None or horizon == 0:
+            return IntervalSet()
+        protected = [s for _, s in self._own_generations(st)]
+        for origin, rec in self.view.stream(stream).items():
+            if origin != self.node_id and origin in st.agreement.members:
+                protected.extend(s for _, s in rec.generations)
+        return IntervalSet.span(0, horizon - 1) - IntervalSet.union_all(protected)
+
+    def own_record(self, stream: str) -> Record | None:
+        """The latest record we published for ``stream``."""
+        return self.view.get((stream, self.node_id))
+
+    # -- internals ------------------------------------------------------------
+
+    def _stream(self, name: str) -> _Stream:
+        st = self._streams.get(name)
+        if st is None:
+            raise UnknownStreamError(name)
+        return st
+
+    @staticmethod
+    def _own_generations(st: _Stream) -> tuple[tuple[int, IntervalSet], ...]:
+        return tuple(sorted(st.facts.frozen.items()))
+
+    def _refresh(self, name: str) -> None:
+        st = self._streams[name]
+        f = st.facts
+        prev = st.decision
+        d = st.agreement.decide(
+            f.recoverable,
+            prev.restore_point if prev else None,
+            prev.proposal if prev else None,
+            f.high_water,
+        )
+        st.decision = d
+        if d.high_water != f.high_water and d.high_water is not None:
+            f.high_water = d.high_water
+            self.pending_facts.append(HighWater(name, d.high_water))
+        old_rp = prev.restore_point if prev else None
+        if d.restore_point != old_rp:
+            self.events.append(RestorePointChanged(name, old_rp, d.restore_point, d.rollback))
+        self._publish(st)
+        # Resolve own open generations whose last frozen set may just have arrived.
+        for g in sorted(f.frozen):
+            if g not in st.resolved:
+                self.generation(name, g)
+
+    def _publish(self, st: _Stream) -> None:
+        f, d = st.facts, st.decision
+        assert d is not None
+        newest = tuple(sorted(f.newest_by_domain().items()))
+        gens = self._own_generations(st)
+        old = self.view.get((f.spec.name, self.node_id))
+        if (
+            old is not None
+            and old.incarnation == self.incarnation
+            and old.recoverable == f.recoverable
+            and old.newest == newest
+            and old.proposal == d.proposal
+            and old.restore_point == d.restore_point
+            and old.high_water == f.high_water
+            and old.generations == gens
+        ):
+            return
+        self._version += 1
+        rec = Record(
+            stream=f.spec.name,
+            origin=self.node_id,
+            incarnation=self.incarnation,
+            version=self._version,
+            spec_digest=st.agreement.digest,
+            recoverable=f.recoverable,
+            newest=newest,
+            proposal=d.proposal,
+            restore_point=d.restore_point,
+            high_water=f.high_water,
+            generations=gens,
+        )
+        self.view.merge(rec)

@@ -1,0 +1,285 @@
+"""Records, their canonical encoding, and the merge that makes views converge.
+
+A node's state for one stream is one *record*, keyed by (stream, origin). Each
+record carries the origin's incarnation (bumped at every restart) and version
+(bumped at every change). A *view* holds, per key, the record with the highest
+``(incarnation, version)``; when two records claim the same pair but differ (an
+origin that equivocated, which a correct node never does), the one with the larger
+fingerprint wins. That makes `View.merge` a join on a semilattice: commutative,
+associative and idempotent, so the order and repetition of deliveries never matter
+and any node may relay records unchanged.
+
+The view's *digest* is the XOR of the fingerprints (16 bytes of BLAKE2b over the
+canonical body) of all records it holds. XOR keeps it incremental: a merge updates
+it in O(1), so links can compare whole views in every message. Records are signed
+by their origin (Ed25519, see the security issue) over the same canonical body; the
+signature travels beside the body and is not part of the fingerprint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from convergenced.core.interval_set import IntervalSet
+from convergenced.core.validate import (
+    as_bytes,
+    as_int,
+    as_list,
+    as_name,
+    as_opt_int,
+    fail,
+)
+
+RecordKey = tuple[str, str]
+"""(stream, origin)."""
+
+MAX_RANGES = 4096
+"""Ranges in one interval set on the wire (GC keeps real sets far smaller)."""
+MAX_DOMAINS = 64
+MAX_GENERATIONS = 16
+SIGNATURE_LEN = 64
+DIGEST_LEN = 16
+SPEC_DIGEST_LEN = 32
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One origin's published state for one stream."""
+
+    stream: str
+    origin: str
+    incarnation: int
+    version: int
+    spec_digest: bytes
+    recoverable: IntervalSet
+    newest: tuple[tuple[str, int], ...] = ()
+    """Per domain, the newest epoch every rank of the origin holds there (sorted)."""
+    proposal: int | None = None
+    restore_point: int | None = None
+    high_water: int | None = None
+    generations: tuple[tuple[int, IntervalSet], ...] = ()
+    """Frozen sets of the origin's open recovery generations (sorted by generation)."""
+    signature: bytes = b""
+    _fingerprint: bytes = field(default=b"", compare=False, repr=False)
+
+    @property
+    def key(self) -> RecordKey:
+        """The merge key: (stream, origin)."""
+        return (self.stream, self.origin)
+
+    @property
+    def stamp(self) -> tuple[int, int]:
+        """(incarnation, version): what merge compares first."""
+        return (self.incarnation, self.version)
+
+    def body(self) -> list[Any]:
+        """The canonical body as a msgpack-ready list (what is signed)."""
+        return [
+            self.stream,
+            self.origin,
+            self.incarnation,
+            self.version,
+            self.spec_digest,
+            self.recoverable.encode(),
+            [[d, e] for d, e in self.newest],
+            self.proposal,
+            self.restore_point,
+            self.high_water,
+            [[g, s.encode()] for g, s in self.generations],
+        ]
+
+    def body_bytes(self) -> bytes:
+        """Canonical encoding of `body`."""
+        return bytes(msgpack.packb(self.body(), use_bin_type=True))
+
+    @property
+    def fingerprint(self) -> bytes:
+        """16-byte BLAKE2b of the canonical body; cached."""
+        if not self._fingerprint:
+            fp = hashlib.blake2b(self.body_bytes(), digest_size=DIGEST_LEN).digest()
+            object.__setattr__(self, "_fingerprint", fp)
+        return self._fingerprint
+
+    def supersedes(self, other: Record) -> bool:
+        """True when this record wins against ``other`` (same key) in a merge."""
+        if self.stamp != other.stamp:
+            return self.stamp > other.stamp
+        return self.fingerprint > other.fingerprint
+
+    def generation(self, number: int) -> IntervalSet | None:
+        """The origin's frozen set for generation ``number``, if it published one."""
+        for g, s in self.generations:
+            if g == number:
+                return s
+        return None
+
+    def to_wire(self) -> list[Any]:
+        """Wire form: the body followed by the signature (``b""`` when unsigned)."""
+        return [*self.body(), self.signature]
+
+    @classmethod
+    def from_wire(cls, obj: Any, path: str) -> Record:
+        """Parse and strictly validate the wire form.
+
+        Raises:
+            RemoteProtocolError: naming ``path`` and the field at fault.
+        """
+        f = as_list(obj, path, max_len=12, length=12)
+        stream = as_name(f[0], f"{path}.stream")
+        origin = as_name(f[1], f"{path}.origin")
+        incarnation = as_int(f[2], f"{path}.incarnation")
+        version = as_int(f[3], f"{path}.version")
+        spec_digest = as_bytes(
+            f[4], f"{path}.spec_digest", min_len=SPEC_DIGEST_LEN, max_len=SPEC_DIGEST_LEN
+        )
+        recoverable = decode_set(f[5], f"{path}.recoverable")
+        newest_raw = as_list(f[6], f"{path}.newest", max_len=MAX_DOMAINS)
+        newest: list[tuple[str, int]] = []
+        for i, pair in enumerate(newest_raw):
+            p = as_list(pair, f"{path}.newest[{i}]", max_len=2, length=2)
+            newest.append(
+                (
+                    as_name(p[0], f"{path}.newest[{i}].domain"),
+                    as_int(p[1], f"{path}.newest[{i}].epoch"),
+                )
+            )
+        if [d for d, _ in newest] != sorted({d for d, _ in newest}):
+            raise fail(f"{path}.newest", "domains not sorted and unique")
+        proposal = as_opt_int(f[7], f"{path}.proposal")
+        restore_point = as_opt_int(f[8], f"{path}.restore_point")
+        high_water = as_opt_int(f[9], f"{path}.high_water")
+        gens_raw = as_list(f[10], f"{path}.generations", max_len=MAX_GENERATIONS)
+        gens: list[tuple[int, IntervalSet]] = []
+        for i, pair in enumerate(gens_raw):
+            p = as_list(pair, f"{path}.generations[{i}]", max_len=2, length=2)
+            gens.append(
+                (
+                    as_int(p[0], f"{path}.generations[{i}].generation"),
+                    decode_set(p[1], f"{path}.generations[{i}].epochs"),
+                )
+            )
+        if [g for g, _ in gens] != sorted({g for g, _ in gens}):
+            raise fail(f"{path}.generations", "generations not sorted and unique")
+        signature = as_bytes(f[11], f"{path}.signature", max_len=SIGNATURE_LEN)
+        if signature and len(signature) != SIGNATURE_LEN:
+            raise fail(f"{path}.signature", f"expected 0 or {SIGNATURE_LEN} bytes")
+        return cls(
+            stream, origin, incarnation, version, spec_digest, recoverable,
+            tuple(newest), proposal, restore_point, high_water, tuple(gens), signature,
+        )  # fmt: skip
+
+
+def decode_set(obj: Any, path: str) -> IntervalSet:
+    """Decode an interval set from its flat wire form, strictly."""
+    flat = as_list(obj, path, max_len=2 * MAX_RANGES)
+    for i, b in enumerate(flat):
+        as_int(b, f"{path}[{i}]")
+    try:
+        return IntervalSet.decode(flat)
+    except ValueError as exc:
+        raise fail(path, str(exc)) from None
+
+
+class View:
+    """Everything a node knows: the winning record per (stream, origin).
+
+    `merge` is the only way records enter, and it is a semilattice join.
+    """
+
+    __slots__ = ("_by_stream", "_digest", "_log", "_records", "_seq")
+
+    def __init__(self) -> None:
+        self._records: dict[RecordKey, Record] = {}
+        self._by_stream: dict[str, dict[str, Record]] = {}
+        self._digest = 0
+        # Change log: (sequence number, key) per accepted merge, so each link can ask
+        # "what changed since I last sent" without scanning the whole view.
+        self._seq = 0
+        self._log: list[tuple[int, RecordKey]] = []
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __iter__(self) -> Iterator[Record]:
+        return iter(self._records.values())
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._records
+
+    def get(self, key: RecordKey) -> Record | None:
+        """The winning record for ``key``, if any."""
+        return self._records.get(key)
+
+    def stream(self, name: str) -> dict[str, Record]:
+        """Records of one stream, by origin (read-only by convention)."""
+        return self._by_stream.get(name, {})
+
+    def streams(self) -> list[str]:
+        """Stream names with at least one record."""
+        return sorted(self._by_stream)
+
+    @property
+    def digest(self) -> bytes:
+        """XOR of all fingerprints: equal views have equal digests."""
+        return self._digest.to_bytes(DIGEST_LEN, "big")
+
+    def summary(self) -> dict[RecordKey, tuple[int, int]]:
+        """(incarnation, version) per key: what a peer needs to compute our deltas."""
+        return {k: r.stamp for k, r in self._records.items()}
+
+    def merge(self, record: Record) -> bool:
+        """Keep ``record`` if it supersedes what we hold; return True if it did."""
+        old = self._records.get(record.key)
+        if old is not None and not record.supersedes(old):
+            return False
+        if old is not None:
+            self._digest ^= int.from_bytes(old.fingerprint, "big")
+        self._digest ^= int.from_bytes(record.fingerprint, "big")
+        self._records[record.key] = record
+        self._by_stream.setdefault(record.stream, {})[record.origin] = record
+        self._seq += 1
+        self._log.append((self._seq, record.key))
+        if len(self._log) > 2 * len(self._records) + 64:
+            self._compact_log()
+        return True
+
+    @property
+    def seq(self) -> int:
+        """Sequence number of the latest accepted merge (0 for an empty view)."""
+        return self._seq
+
+    def changed_since(self, seq: int) -> list[Record]:
+        """Current records of the keys changed after sequence number ``seq``."""
+        lo, hi = 0, len(self._log)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._log[mid][0] <= seq:
+                lo = mid + 1
+            else:
+                hi = mid
+        keys = dict.fromkeys(k for _, k in self._log[lo:])
+        return [self._records[k] for k in keys]
+
+    def _compact_log(self) -> None:
+        latest: dict[RecordKey, int] = {}
+        for s, k in self._log:
+            latest[k] = s
+        self._log = sorted((s, k) for k, s in latest.items())
+
+    def merge_all(self, records: Iterable[Record]) -> list[Record]:
+        """Merge many; return the records that were kept."""
+        return [r for r in records if self.merge(r)]
+
+    def newer_than(self, known: dict[RecordKey, tuple[int, int]]) -> list[Record]:
+        """Records whose stamp is above what ``known`` says (missing keys count as none)."""
+        out = []
+        for key, rec in self._records.items():
+            stamp = known.get(key)
+            if stamp is None or rec.stamp > stamp:
+                out.append(rec)
+        return out

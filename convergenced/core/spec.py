@@ -1,0 +1,212 @@
+"""Stream specs: who takes part in a stream and what makes an epoch count.
+
+A job declares its stream with a spec: the stream name, the members (node ids) with
+the ranks each hosts, a domain policy ("all of [nvme]", "any of [nvme, s3]") and a
+retention in epochs. Every member must declare the same spec; specs are compared by
+a canonical digest (SHA-256 over a canonical msgpack encoding), and records carry
+that digest so a conflict anywhere in the cluster is noticed, never merged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import msgpack
+
+from convergenced.core.errors import SpecError
+from convergenced.core.validate import INT64_MAX, NAME_RE
+
+MAX_MEMBERS = 4096
+MAX_RANKS_PER_MEMBER = 4096
+MAX_POLICY_DOMAINS = 16
+
+
+class PolicyMode(Enum):
+    """How the policy's domains combine for one rank."""
+
+    ALL = "all"
+    """The epoch must be durable in every listed domain."""
+    ANY = "any"
+    """The epoch must be durable in at least one listed domain."""
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """Which domains must hold an epoch for one rank to count it as recoverable."""
+
+    mode: PolicyMode
+    domains: tuple[str, ...]
+
+    @classmethod
+    def all_of(cls, *domains: str) -> Policy:
+        """Policy requiring every domain."""
+        return cls(PolicyMode.ALL, tuple(sorted(set(domains))))
+
+    @classmethod
+    def any_of(cls, *domains: str) -> Policy:
+        """Policy requiring at least one domain."""
+        return cls(PolicyMode.ANY, tuple(sorted(set(domains))))
+
+    def __str__(self) -> str:
+        return f"{self.mode.value} of [{', '.join(self.domains)}]"
+
+
+@dataclass(frozen=True, slots=True)
+class StreamSpec:
+    """One job's stream. Build with `StreamSpec.create`, which validates and normalizes."""
+
+    name: str
+    members: tuple[tuple[str, tuple[int, ...]], ...]
+    """(node id, sorted ranks) pairs, sorted by node id."""
+    policy: Policy
+    retention: int
+    """Epochs kept below the lowest published restore point (in epoch units)."""
+
+    @classmethod
+    def create(
+        cls,
+        name: str,
+        members: Mapping[str, Iterable[int]],
+        policy: Policy,
+        retention: int = 0,
+    ) -> StreamSpec:
+        """Validate and normalize a spec.
+
+        Raises:
+            SpecError: naming the field that is wrong.
+        """
+        if not isinstance(name, str) or not NAME_RE.match(name):
+            raise SpecError(f"spec.name: {name!r} is not a valid stream name")
+        if not members:
+            raise SpecError("spec.members: a stream needs at least one member")
+        if len(members) > MAX_MEMBERS:
+            raise SpecError(f"spec.members: {len(members)} members above the limit {MAX_MEMBERS}")
+        norm: list[tuple[str, tuple[int, ...]]] = []
+        seen_ranks: dict[int, str] = {}
+        for node in sorted(members):
+            if not isinstance(node, str) or not NAME_RE.match(node):
+                raise SpecError(f"spec.members: {node!r} is not a valid node id")
+            ranks = sorted(set(members[node]))
+            if not ranks:
+                raise SpecError(f"spec.members.{node}: a member hosts at least one rank")
+            if len(ranks) > MAX_RANKS_PER_MEMBER:
+                raise SpecError(f"spec.members.{node}: {len(ranks)} ranks above the limit")
+            for r in ranks:
+                if type(r) is not int or not 0 <= r <= INT64_MAX:
+                    raise SpecError(f"spec.members.{node}: rank {r!r} is not a non-negative int")
+                if r in seen_ranks:
+                    raise SpecError(
+                        f"spec.members.{node}: rank {r} is also hosted by {seen_ranks[r]}"
+                    )
+                seen_ranks[r] = node
+            norm.append((node, tuple(ranks)))
+        if not isinstance(policy, Policy) or not policy.domains:
+            raise SpecError("spec.policy: name at least one domain")
+        if len(policy.domains) > MAX_POLICY_DOMAINS:
+            raise SpecError(f"spec.policy: more than {MAX_POLICY_DOMAINS} domains")
+        for d in policy.domains:
+            if not isinstance(d, str) or not NAME_RE.match(d):
+                raise SpecError(f"spec.policy.domains: {d!r} is not a valid domain name")
+        if type(retention) is not int or not 0 <= retention <= INT64_MAX:
+            raise SpecError(f"spec.retention: {retention!r} is not a non-negative integer")
+        policy = Policy(policy.mode, tuple(sorted(set(policy.domains))))
+        return cls(name, tuple(norm), policy, retention)
+
+    # -- queries ------------------------------------------------------------
+
+    @property
+    def member_ids(self) -> tuple[str, ...]:
+        """Member node ids, sorted."""
+        return tuple(node for node, _ in self.members)
+
+    def ranks_of(self, node: str) -> tuple[int, ...]:
+        """The ranks ``node`` hosts (empty when it is not a member)."""
+        for member, ranks in self.members:
+            if member == node:
+                return ranks
+        return ()
+
+    # -- canonical form -----------------------------------------------------
+
+    def to_wire(self) -> dict[str, Any]:
+        """The canonical, language-neutral form (also what the local API takes)."""
+        return {
+            "name": self.name,
+            "members": {node: list(ranks) for node, ranks in self.members},
+            "policy": {"mode": self.policy.mode.value, "domains": list(self.policy.domains)},
+            "retention": self.retention,
+        }
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> StreamSpec:
+        """Parse the form `to_wire` produces.
+
+        Raises:
+            SpecError: naming the field that is wrong.
+        """
+        if not isinstance(obj, Mapping):
+            raise SpecError("spec: expected a map")
+        unknown = set(obj) - {"name", "members", "policy", "retention"}
+        if unknown:
+            raise SpecError(f"spec: unknown field {sorted(map(str, unknown))[0]!r}")
+        for key in ("name", "members", "policy"):
+            if key not in obj:
+                raise SpecError(f"spec.{key}: missing")
+        members = obj["members"]
+        if not isinstance(members, Mapping):
+            raise SpecError("spec.members: expected a map of node id to a list of ranks")
+        for node, ranks in members.items():
+            if not isinstance(ranks, list | tuple):
+                raise SpecError(f"spec.members.{node}: expected a list of ranks")
+        policy = obj["policy"]
+        if not isinstance(policy, Mapping) or set(policy) != {"mode", "domains"}:
+            raise SpecError("spec.policy: expected {mode: 'all'|'any', domains: [...]}")
+        try:
+            mode = PolicyMode(policy["mode"])
+        except ValueError:
+            raise SpecError(f"spec.policy.mode: {policy['mode']!r} is not 'all' or 'any'") from None
+        domains = policy["domains"]
+        if not isinstance(domains, list | tuple):
+            raise SpecError("spec.policy.domains: expected a list")
+        return cls.create(
+            obj["name"],
+            members,
+            Policy(mode, tuple(domains)),
+            obj.get("retention", 0),
+        )
+
+    def canonical_bytes(self) -> bytes:
+        """Canonical msgpack encoding: sorted maps, so equal specs give equal bytes."""
+        wire = self.to_wire()
+        return bytes(
+            msgpack.packb(
+                [
+                    wire["name"],
+                    [[node, ranks] for node, ranks in sorted(wire["members"].items())],
+                    wire["policy"]["mode"],
+                    wire["policy"]["domains"],
+                    wire["retention"],
+                ],
+                use_bin_type=True,
+            )
+        )
+
+    @property
+    def digest(self) -> bytes:
+        """SHA-256 of `canonical_bytes`: equal specs have equal digests."""
+        return hashlib.sha256(self.canonical_bytes()).digest()
+
+    def differences(self, other: StreamSpec) -> list[str]:
+        """Human-readable differences, for conflict errors."""
+        out = []
+        if self.members != other.members:
+            out.append("members differ")
+        if self.policy != other.policy:
+            out.append(f"policy {self.policy} vs {other.policy}")
+        if self.retention != other.retention:
+            out.append(f"retention {self.retention} vs {other.retention}")
+        return out
