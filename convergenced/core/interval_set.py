@@ -164,7 +164,9 @@ class IntervalSet:
         return IntervalSet._from_normal(tuple(out))
 
     def below(self, bound: int) -> IntervalSet:
-        """Epochs strictly below ``bound``."""
+        """Epochs strictly below ``bound`` (any integer; no epoch exceeds `MAX_EPOCH`)."""
+        if bound > MAX_EPOCH:
+            return self
         return self.intersection(IntervalSet.span(0, bound - 1)) if bound > 0 else IntervalSet()
 
     def at_least(self, bound: int) -> IntervalSet:
@@ -210,11 +212,15 @@ class IntervalSet:
         """Inverse of `encode`; accepts only the canonical form.
 
         Raises:
-            ValueError: odd length, a bound out of range, or ranges not sorted,
-                disjoint and separated by a gap.
+            ValueError: odd length, a bound that is not an int (bools and floats
+                included) or out of range, or ranges not sorted, disjoint and
+                separated by a gap.
         """
         if len(flat) % 2:
             raise ValueError("odd number of bounds")
+        for bound in flat:
+            if type(bound) is not int:
+                raise ValueError(f"bound {bound!r} is not an integer")
         pairs = tuple((flat[i], flat[i + 1]) for i in range(0, len(flat), 2))
         prev_hi = -2
         for lo, hi in pairs:

@@ -23,7 +23,8 @@ Everything that affects the link's state and its transitions lives in this modul
    matched our previous digest, we know that it knows (*mutual*).
 7. Any message not allowed in the current state is a `RemoteProtocolError`; any
    send not allowed is a `LocalProtocolError`. Both name the state and the event,
-   and the link is CLOSED afterwards. BYE closes from any open state.
+   and the link is CLOSED afterwards. BYE, failure detection and the loss of the
+   connection close from any open state.
 8. After a reconnect a new Link starts from rule 1; replayed records are harmless
    because merge is idempotent.
 
@@ -91,6 +92,7 @@ class Ev(Enum):
     SEND_BYE = "send BYE"
     RECV_BYE = "recv BYE"
     DEAD = "link dead"
+    """Failure detection (rule 5) or the connection was lost."""
 
 
 S = LinkState
@@ -252,7 +254,7 @@ class Link:
         if self.state is S.CLOSED:
             return
         if not data:
-            self.state = S.CLOSED
+            self._fire(Ev.DEAD)
             self._events.append(Closed("connection closed by peer"))
             return
         self.bytes_received += len(data)
@@ -343,10 +345,12 @@ class Link:
             self._nudge_received = False
             self._events.append(ExchangeDone(self.seq, self.in_sync))
         elif isinstance(msg, Nudge):
-            if self._nudge_received:
-                self._fire(Ev.RECV_NUDGE)
-                self._protocol_violation("NUDGE: more than one per token period")
             self._fire(Ev.RECV_NUDGE)
+            if self._nudge_received:
+                self._protocol_violation(
+                    f"{Ev.RECV_NUDGE.value} in state {self.state.value}: "
+                    "more than one NUDGE per token period"
+                )
             self._nudge_received = True
         else:
             self._fire(Ev.RECV_BYE)
@@ -450,15 +454,26 @@ class Link:
         self.records_sent += len(records)
 
     def _hello(self) -> Hello:
+        # The summary is only an optimisation (what it leaves out is sent again, which
+        # merge makes harmless), so it is cut to fit both the entry limit and, like
+        # the records of a TICK, half a frame: a HELLO over the peer's frame limit
+        # would be refused and the link could never come up.
         view = self.node.view
-        summary = [(r.stream, r.origin, r.incarnation, r.version) for r in view]
         cap = self.config.limits.max_summary
+        budget = self.config.limits.max_frame_bytes // 2
+        summary: list[tuple[str, str, int, int]] = []
+        for r in view:
+            entry = (r.stream, r.origin, r.incarnation, r.version)
+            budget -= len(pack(list(entry)))
+            if len(summary) >= cap or budget < 0:
+                break
+            summary.append(entry)
         return Hello(
             self.config.cluster,
             self.node.node_id,
             self.node.incarnation,
             view.digest,
-            tuple(summary[:cap]),
+            tuple(summary),
         )
 
     def _emit(self, msg: Message) -> None:

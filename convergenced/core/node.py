@@ -163,24 +163,38 @@ class NodeCore:
 
     def apply(self, fact: Fact) -> None:
         """Apply a durable fact (checked first) and re-evaluate its stream."""
+        self._refresh(self._apply(fact))
+
+    def replay(self, facts: Iterable[Fact]) -> None:
+        """Rebuild state from the write-ahead log after a restart.
+
+        All facts are applied first and every stream is evaluated once at the end,
+        so the restore point starts from the final high-water mark rather than
+        from whatever an early prefix of the log implied.
+        """
+        touched: set[str] = set()
+        for fact in facts:
+            touched.add(self._apply(fact))
+        for name in sorted(touched):
+            self._refresh(name)
+
+    def _apply(self, fact: Fact) -> str:
         self.check(fact)
         if isinstance(fact, Declare):
             if fact.spec.name not in self._streams:
                 self._streams[fact.spec.name] = self._new_stream(fact.spec)
-            name = fact.spec.name
-        else:
-            name = fact.stream
-            st = self._streams[name]
-            if isinstance(fact, Commit | Retract | Retire):
-                st.facts.apply(fact)
-            elif isinstance(fact, Freeze):
-                st.facts.frozen.setdefault(fact.generation, fact.epochs)
-                while len(st.facts.frozen) > MAX_GENERATIONS:
-                    del st.facts.frozen[min(st.facts.frozen)]
-            elif isinstance(fact, HighWater):
-                hw = st.facts.high_water
-                st.facts.high_water = fact.epoch if hw is None else max(hw, fact.epoch)
-        self._refresh(name)
+            return fact.spec.name
+        st = self._streams[fact.stream]
+        if isinstance(fact, Commit | Retract | Retire):
+            st.facts.apply(fact)
+        elif isinstance(fact, Freeze):
+            st.facts.frozen.setdefault(fact.generation, fact.epochs)
+            while len(st.facts.frozen) > MAX_GENERATIONS:
+                del st.facts.frozen[min(st.facts.frozen)]
+        elif isinstance(fact, HighWater):
+            hw = st.facts.high_water
+            st.facts.high_water = fact.epoch if hw is None else max(hw, fact.epoch)
+        return fact.stream
 
     def _check_declare(self, spec: StreamSpec) -> None:
         if self.node_id not in spec.member_ids:
@@ -384,9 +398,13 @@ class NodeCore:
         st = self._streams[name]
         f = st.facts
         prev = st.decision
+        # With no restore point (after a restart, or after losing it) the high-water
+        # mark stands in for it: it was valid, and starting from it keeps S3 across
+        # crashes and reports a lower point as the rollback it is.
+        previous = prev.restore_point if prev is not None else None
         d = st.agreement.decide(
             f.recoverable,
-            prev.restore_point if prev else None,
+            previous if previous is not None else f.high_water,
             prev.proposal if prev else None,
             f.high_water,
         )

@@ -5,7 +5,7 @@ record carries the origin's incarnation (bumped at every restart) and version
 (bumped at every change). A *view* holds, per key, the record with the highest
 ``(incarnation, version)``; when two records claim the same pair but differ (an
 origin that equivocated, which a correct node never does), the one with the larger
-fingerprint wins. That makes `View.merge` a join on a semilattice: commutative,
+fingerprint wins (and for the same body, the greater signature). That makes `View.merge` a join on a semilattice: commutative,
 associative and idempotent, so the order and repetition of deliveries never matter
 and any node may relay records unchanged.
 
@@ -109,7 +109,11 @@ class Record:
         """True when this record wins against ``other`` (same key) in a merge."""
         if self.stamp != other.stamp:
             return self.stamp > other.stamp
-        return self.fingerprint > other.fingerprint
+        if self.fingerprint != other.fingerprint:
+            return self.fingerprint > other.fingerprint
+        # Same body, different signature (e.g. a signed and an unsigned copy): order
+        # them too, so the view's contents, not only its digest, ignore delivery order.
+        return self.signature > other.signature
 
     def generation(self, number: int) -> IntervalSet | None:
         """The origin's frozen set for generation ``number``, if it published one."""

@@ -87,17 +87,25 @@ class StreamSpec:
             raise SpecError(f"spec.members: {len(members)} members above the limit {MAX_MEMBERS}")
         norm: list[tuple[str, tuple[int, ...]]] = []
         seen_ranks: dict[int, str] = {}
-        for node in sorted(members):
+        # Check every node id and rank before sorting: sorting mixed or unhashable
+        # values would raise a TypeError that names no field.
+        for node in members:
             if not isinstance(node, str) or not NAME_RE.match(node):
                 raise SpecError(f"spec.members: {node!r} is not a valid node id")
-            ranks = sorted(set(members[node]))
+        for node in sorted(members):
+            try:
+                raw = list(members[node])
+            except TypeError:
+                raise SpecError(f"spec.members.{node}: expected a list of ranks") from None
+            for r in raw:
+                if type(r) is not int or not 0 <= r <= INT64_MAX:
+                    raise SpecError(f"spec.members.{node}: rank {r!r} is not a non-negative int")
+            ranks = sorted(set(raw))
             if not ranks:
                 raise SpecError(f"spec.members.{node}: a member hosts at least one rank")
             if len(ranks) > MAX_RANKS_PER_MEMBER:
                 raise SpecError(f"spec.members.{node}: {len(ranks)} ranks above the limit")
             for r in ranks:
-                if type(r) is not int or not 0 <= r <= INT64_MAX:
-                    raise SpecError(f"spec.members.{node}: rank {r!r} is not a non-negative int")
                 if r in seen_ranks:
                     raise SpecError(
                         f"spec.members.{node}: rank {r} is also hosted by {seen_ranks[r]}"

@@ -14,8 +14,11 @@ from typing import Any
 from convergenced.core.errors import RemoteProtocolError
 
 INT64_MAX = 2**63 - 1
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
-"""Node ids, stream names and domain names: printable, no spaces, 1-128 chars."""
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}\Z")
+"""Node ids, stream names and domain names: printable, no spaces, 1-128 chars.
+
+Anchored with ``\\Z``, not ``$``: ``$`` also matches before a trailing newline, which
+would admit ``"node1\\n"`` as a name distinct from ``"node1"``."""
 
 
 def fail(path: str, problem: str, reason: str = "invalid_field") -> RemoteProtocolError:

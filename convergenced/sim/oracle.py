@@ -1,0 +1,135 @@
+"""Ground truth and the invariant checks (S1-S5 of DESIGN.md).
+
+The truth is what really happened to the data, independent of any node's view:
+which (rank, domain, epoch) were acknowledged as durable, which were lost
+(retracted) and which were deleted (retired). The oracle never looks at a view to
+decide whether a node was right.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from convergenced.core.interval_set import IntervalSet
+from convergenced.core.spec import PolicyMode, StreamSpec
+
+
+class InvariantViolation(Exception):
+    """An invariant failed; carries the invariant's name."""
+
+    def __init__(self, invariant: str, detail: str) -> None:
+        super().__init__(f"{invariant}: {detail}")
+        self.invariant = invariant
+        self.detail = detail
+
+
+@dataclass
+class Truth:
+    """What really happened to one stream's data."""
+
+    spec: StreamSpec
+    ever: dict[tuple[int, str], set[int]] = field(default_factory=lambda: defaultdict(set))
+    """Acknowledged commits, per (rank, domain), ever."""
+    available: dict[tuple[int, str], set[int]] = field(default_factory=lambda: defaultdict(set))
+    """Acknowledged and neither lost nor deleted, per (rank, domain)."""
+    retired: dict[tuple[int, str], set[int]] = field(default_factory=lambda: defaultdict(set))
+    retractions: int = 0
+    generation_answers: dict[int, int | None] = field(default_factory=dict)
+    last_rp: dict[str, int | None] = field(default_factory=dict)
+
+    def valid(self, epoch: int) -> bool:
+        """S1: every rank of every member committed ``epoch`` in domains satisfying the
+        policy, and none of those copies was retired. Losses (retractions) do not
+        count against validity: they surface as rollbacks (S3)."""
+        for _, ranks in self.spec.members:
+            for r in ranks:
+                hits = [
+                    epoch in self.ever[(r, d)] and epoch not in self.retired[(r, d)]
+                    for d in self.spec.policy.domains
+                ]
+                ok = all(hits) if self.spec.policy.mode is PolicyMode.ALL else any(hits)
+                if not ok:
+                    return False
+        return True
+
+    def recoverable(self, node: str) -> IntervalSet:
+        """The true E(n): epochs every rank of ``node`` can restore now."""
+        acc: IntervalSet | None = None
+        for r in self.spec.ranks_of(node):
+            per = [IntervalSet.of(*self.available[(r, d)]) for d in self.spec.policy.domains]
+            rs = (
+                IntervalSet.intersect_all(per)
+                if self.spec.policy.mode is PolicyMode.ALL
+                else IntervalSet.union_all(per)
+            )
+            acc = rs if acc is None else acc & rs
+        return acc if acc is not None else IntervalSet()
+
+    def convergence(self) -> IntervalSet:
+        """The true convergence interval."""
+        return IntervalSet.intersect_all([self.recoverable(m) for m in self.spec.member_ids])
+
+    # -- checks -----------------------------------------------------------
+
+    def check_restore_point(self, node: str, rp: int | None, rollback: bool) -> None:
+        """S1 on a reported restore point and S3 on its movement."""
+        if rp is not None and not self.valid(rp):
+            raise InvariantViolation(
+                "S1", f"{node} reports restore point {rp}, not committed everywhere or retired"
+            )
+        old = self.last_rp.get(node)
+        if old is not None and (rp is None or rp < old):
+            if not rollback:
+                raise InvariantViolation(
+                    "S3", f"{node} moved its restore point {old} -> {rp} silently"
+                )
+            if self.retractions == 0:
+                raise InvariantViolation(
+                    "S3", f"{node} rolled back {old} -> {rp} with no retraction"
+                )
+        self.last_rp[node] = rp
+
+    def check_generation(self, node: str, generation: int, rp: int | None) -> None:
+        """S2: every member returns the same restore point for a generation (and S1)."""
+        if generation in self.generation_answers:
+            first = self.generation_answers[generation]
+            if first != rp:
+                raise InvariantViolation(
+                    "S2", f"generation {generation}: {node} answers {rp}, another answered {first}"
+                )
+        else:
+            self.generation_answers[generation] = rp
+        if rp is not None and not self.valid(rp):
+            raise InvariantViolation(
+                "S1", f"generation {generation}: {node} answers invalid epoch {rp}"
+            )
+
+    def check_retire(
+        self,
+        node: str,
+        epoch: int,
+        high_water: dict[str, int | None],
+        frozen: dict[str, list[IntervalSet]],
+    ) -> None:
+        """S4: nothing deleted that a member could still return or that an open
+        generation froze."""
+        limit = None
+        for m in self.spec.member_ids:
+            hw = high_water.get(m)
+            if hw is None:
+                raise InvariantViolation(
+                    "S4", f"{node} deletes {epoch} before {m} published any point"
+                )
+            bound = hw - self.spec.retention
+            limit = bound if limit is None else min(limit, bound)
+        if limit is not None and epoch >= limit:
+            raise InvariantViolation(
+                "S4", f"{node} deletes {epoch}, a member could still return it"
+            )
+        for m, sets in frozen.items():
+            for s in sets:
+                if epoch in s:
+                    raise InvariantViolation(
+                        "S4", f"{node} deletes {epoch}, in an open frozen set of {m}"
+                    )
