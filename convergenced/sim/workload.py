@@ -47,17 +47,18 @@ class RankSchedule:
         self.period = period
         self.domains = domains
         self._rng = rng
-        self._step_time = rng.randint(0, period)
         self._last = {d.name: 0 for d in domains}
         self.epoch = 0
 
     def next_epoch(self) -> tuple[int, dict[str, int]]:
         """The next epoch and its completion time per domain."""
         self.epoch += 1
-        self._step_time += self.period + self._rng.randint(-self.period // 4, self.period // 4)
+        # Data-parallel ranks step together (the all-reduce keeps them in lockstep),
+        # so a rank's step ends near the job's step time, not on its own drift.
+        step_end = self.epoch * self.period + self._rng.randint(0, self.period // 10)
         times: dict[str, int] = {}
         for d in self.domains:
-            t = self._step_time + d.lag + self._rng.randint(0, d.jitter)
+            t = step_end + d.lag + self._rng.randint(0, d.jitter)
             t = max(t, self._last[d.name] + 1)
             self._last[d.name] = t
             times[d.name] = t
@@ -65,12 +66,22 @@ class RankSchedule:
 
 
 def lattice_fraction(
-    domains: int, nodes: int, ranks_per_node: int, samples: int, rng: random.Random
+    domains: int,
+    nodes: int,
+    ranks_per_node: int,
+    samples: int,
+    rng: random.Random,
+    *,
+    period: int = 30_000,
 ) -> float:
     """Fraction of sampled instants at which every domain on every node holds the
-    same newest epoch (the paper's epoch-lattice figure)."""
+    same newest epoch (the paper's epoch-lattice figure).
+
+    The default period (a checkpoint every 30 ms of virtual time) is longer than
+    the slowest tier's lag, so a single fast domain is usually consistent; every
+    tier added brings its own lag and jitter.
+    """
     models = domain_models(domains, rng)
-    period = 10_000
     horizon = samples * period // 4 + 20 * period
     # Per (node, domain): the newest epoch all its ranks hold, as a step function.
     per_rank: dict[tuple[int, int, str], list[tuple[int, int]]] = {}

@@ -130,6 +130,7 @@ class _Node:
         self.paused_until = 0
         self.skew = 1.0
         self.backoff: dict[str, int] = {}
+        self.polled_seq = -1
 
 
 class Simulation:
@@ -180,6 +181,8 @@ class Simulation:
         self.final_acks = 0
         self.t_final: int | None = None
         self.outstanding = 0
+        self._rp_moved = False
+        self._want: int | None = None
         self.closed_below: dict[str, int] = {}
         """Per node, over all its lives: generations below this are closed."""
         """Facts on their way to durability (the final commit waits for none)."""
@@ -221,8 +224,10 @@ class Simulation:
             self.now = t
             self.result.events += 1
             fn(*args)
-            if until_converged and self.final_epoch is not None and self._converged():
-                return
+            if until_converged and self._rp_moved and self.t_final is not None:
+                self._rp_moved = False
+                if self._converged():
+                    return
         self.now = t_end
 
     # -- setup ------------------------------------------------------------------
@@ -354,7 +359,10 @@ class Simulation:
             if fact.epoch == self.final_epoch:
                 self.final_acks += 1
                 if self.final_acks == self._final_needed:
+                    # Nothing changes the truth from here on: the target is fixed.
                     self.t_final = self.now
+                    self._want = self.expected_restore_point()
+                    self._rp_moved = True
         self.trace(f"durable {nid} {type(fact).__name__} {getattr(fact, 'epoch', '')}")
         node.core.apply(fact)
         self._after_change(nid)
@@ -370,6 +378,7 @@ class Simulation:
         events, core.events = core.events, []
         for ev in events:
             if isinstance(ev, RestorePointChanged):
+                self._rp_moved = True
                 self.trace(f"rp {nid} {ev.old}->{ev.new}{' rollback' if ev.rollback else ''}")
                 self.truth.check_restore_point(nid, ev.new, ev.rollback)
             elif isinstance(ev, GenerationResolved):
@@ -377,6 +386,10 @@ class Simulation:
                 self.truth.check_generation(nid, ev.generation, ev.restore_point)
                 if ev.generation > self.closed_below.get(nid, 0):
                     self.closed_below[nid] = ev.generation
+        # Other links only have something new to say when the view changed.
+        if core.view.seq == node.polled_seq:
+            return
+        node.polled_seq = core.view.seq
         for peer in self.neighbours[nid]:
             conn = self.conns.get(_key(nid, peer))
             if conn is not None and conn.alive:
@@ -621,6 +634,7 @@ class Simulation:
         core.pending_facts.clear()
         core.events.clear()
         node.core = core
+        node.polled_seq = -1
         node.paused_until = 0
         self.trace(f"restart {nid} inc {node.incarnation}")
         if not any(isinstance(f, Declare) for f in node.durable):
@@ -767,7 +781,7 @@ class Simulation:
     def _converged(self) -> bool:
         if self.t_final is None:
             return False
-        want = self.expected_restore_point()
+        want = self._want
         for nid in self.ids:
             core = self.nodes[nid].core
             if core is None or core.restore_point(STREAM) != want:

@@ -1,0 +1,314 @@
+"""Running many seeds, summarizing them, and the `convergenced sim` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import os
+import random
+import shlex
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from convergenced.sim.workload import lattice_fraction
+from convergenced.sim.world import FAULTS, Result, SimConfig, Simulation
+
+LATTICE_DOMAINS = (1, 2, 3, 4, 6, 8)
+
+
+def run_one(cfg: SimConfig) -> Result:
+    """Run one seed."""
+    return Simulation(cfg).run()
+
+
+def replay_command(cfg: SimConfig) -> str:
+    """One command line that replays exactly this run."""
+    faults = "none" if not cfg.faults else ",".join(f for f in FAULTS if f in cfg.faults)
+    if set(cfg.faults) == set(FAULTS):
+        faults = "all"
+    parts = ["convergenced", "sim", "--nodes", str(cfg.nodes), "--seed", str(cfg.seed)]
+    parts += ["--faults", faults]
+    if cfg.safety_us != SimConfig.safety_us:
+        parts += ["--safety-ms", str(cfg.safety_us // 1000)]
+    if cfg.ranks_per_node != SimConfig.ranks_per_node:
+        parts += ["--ranks", str(cfg.ranks_per_node)]
+    if cfg.domains != SimConfig.domains:
+        parts += ["--domains", str(cfg.domains)]
+    if not cfg.workload:
+        parts += ["--no-workload"]
+    if cfg.compare_marker:
+        parts += ["--compare", "marker"]
+    return shlex.join(parts)
+
+
+@dataclass
+class Summary:
+    """Totals over many seeds."""
+
+    runs: int = 0
+    violations: int = 0
+    converged: int = 0
+    max_rounds_to_converge: int = 0
+    rounds: list[int] = field(default_factory=list)
+    messages: int = 0
+    bytes: int = 0
+    wall_seconds: float = 0.0
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    marker_samples: int = 0
+    marker_invalid_restores: int = 0
+    convergence_invalid_restores: int = 0
+    fault_counts: dict[str, int] = field(default_factory=dict)
+    trace_hash: str | None = None
+
+    def add(self, cfg: SimConfig, r: Result) -> None:
+        """Fold one result in."""
+        self.runs += 1
+        self.messages += r.messages
+        self.bytes += r.bytes
+        self.marker_samples += r.marker_samples
+        self.marker_invalid_restores += r.marker_invalid
+        self.convergence_invalid_restores += r.convergence_invalid
+        for k, v in r.fault_counts.items():
+            self.fault_counts[k] = self.fault_counts.get(k, 0) + v
+        if r.converged and r.rounds_to_converge is not None:
+            self.converged += 1
+            self.rounds.append(r.rounds_to_converge)
+            self.max_rounds_to_converge = max(self.max_rounds_to_converge, r.rounds_to_converge)
+        if r.violation is not None:
+            self.violations += 1
+            self.failures.append(
+                {
+                    "seed": r.seed,
+                    "invariant": r.violation.invariant,
+                    "detail": r.violation.detail,
+                    "replay": replay_command(cfg),
+                    "trace": r.trace_tail[-12:],
+                }
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        """The machine-readable summary (`--json`)."""
+        rounds = sorted(self.rounds)
+        out: dict[str, Any] = {
+            "runs": self.runs,
+            "violations": self.violations,
+            "converged": self.converged,
+            "max_rounds_to_converge": self.max_rounds_to_converge,
+            "median_rounds_to_converge": rounds[len(rounds) // 2] if rounds else None,
+            "messages": self.messages,
+            "bytes": self.bytes,
+            "messages_per_second": round(self.messages / self.wall_seconds)
+            if self.wall_seconds
+            else None,
+            "wall_seconds": round(self.wall_seconds, 2),
+            "fault_counts": dict(sorted(self.fault_counts.items())),
+            "failures": self.failures,
+        }
+        if self.trace_hash is not None:
+            out["trace_hash"] = self.trace_hash
+        if self.marker_samples:
+            out["marker_samples"] = self.marker_samples
+            out["marker_invalid_restores"] = self.marker_invalid_restores
+            out["convergence_invalid_restores"] = self.convergence_invalid_restores
+        return out
+
+
+def _iter_results(configs: list[SimConfig], jobs: int) -> Iterator[tuple[SimConfig, Result]]:
+    if jobs <= 1 or len(configs) <= 1:
+        for cfg in configs:
+            yield cfg, run_one(cfg)
+        return
+    ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+    with ctx.Pool(jobs) as pool:
+        yield from zip(configs, pool.imap(run_one, configs, chunksize=4), strict=True)
+
+
+def run_seeds(configs: list[SimConfig], jobs: int = 1, progress: bool = False) -> Summary:
+    """Run every config (one seed each) and summarize."""
+    summary = Summary()
+    start = time.perf_counter()
+    total = len(configs)
+    for i, (cfg, r) in enumerate(_iter_results(configs, jobs), 1):
+        summary.add(cfg, r)
+        if total == 1:
+            summary.trace_hash = r.trace_hash
+        if progress:
+            _progress(i, total, summary)
+    summary.wall_seconds = time.perf_counter() - start
+    if progress:
+        sys.stderr.write("\n")
+    return summary
+
+
+def _progress(done: int, total: int, s: Summary) -> None:
+    width = 30
+    filled = width * done // total
+    bar = "#" * filled + "-" * (width - filled)
+    sys.stderr.write(f"\r[{bar}] {done}/{total} seeds  violations {s.violations}")
+    sys.stderr.flush()
+
+
+def lattice_table(nodes: int, ranks: int, seed: int, samples: int = 1000) -> dict[str, float]:
+    """The epoch-lattice figure: domains -> fraction of consistent instants."""
+    return {
+        str(d): round(lattice_fraction(d, nodes, ranks, samples, random.Random(seed)), 4)
+        for d in LATTICE_DOMAINS
+    }
+
+
+# -- command line -----------------------------------------------------------------
+
+
+def parse_faults(text: str) -> frozenset[str]:
+    """``none``, ``all`` or a comma-separated list of fault names."""
+    if text == "none":
+        return frozenset()
+    if text == "all":
+        return frozenset(FAULTS)
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in FAULTS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown fault {unknown[0] if unknown else text!r}; "
+            f"choose none, all, or some of: {', '.join(FAULTS)}"
+        )
+    return frozenset(names)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must not be negative")
+    return value
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Arguments of `convergenced sim`."""
+    p.add_argument("--nodes", type=_positive, default=4, help="cluster size (default 4)")
+    p.add_argument("--seeds", type=_positive, default=1, help="how many seeds (default 1)")
+    p.add_argument(
+        "--seed",
+        type=_non_negative,
+        default=0,
+        help="first seed (default 0); with --seeds K runs seeds S .. S+K-1",
+    )
+    p.add_argument(
+        "--faults",
+        type=parse_faults,
+        default=frozenset(FAULTS),
+        metavar="none|all|NAME,...",
+        help=f"faults to inject (default all): {', '.join(FAULTS)}",
+    )
+    p.add_argument("--compare", choices=["marker"], help="also score the latest-marker baseline")
+    p.add_argument("--json", action="store_true", help="one JSON object on the last line")
+    p.add_argument("--jobs", type=_positive, default=1, help="worker processes (default 1)")
+    p.add_argument("--ranks", type=_positive, default=2, help="ranks per node (default 2)")
+    p.add_argument("--domains", type=_positive, default=3, choices=range(1, 9),
+                   metavar="1..8", help="persistence domains (default 3)")  # fmt: skip
+    p.add_argument(
+        "--safety-ms", type=_positive, default=400,
+        help="virtual milliseconds of the faulty phase (default 400)",
+    )  # fmt: skip
+    p.add_argument(
+        "--no-workload", action="store_true",
+        help="no training workload: only the final commit (for scale runs)",
+    )  # fmt: skip
+    p.add_argument("--no-lattice", action="store_true", help="skip the epoch-lattice table")
+
+
+def command(args: argparse.Namespace) -> int:
+    """Run `convergenced sim`; exit 0 when every seed kept every invariant."""
+    base = SimConfig(
+        nodes=args.nodes,
+        faults=args.faults,
+        ranks_per_node=args.ranks,
+        domains=args.domains,
+        safety_us=args.safety_ms * 1000,
+        compare_marker=args.compare == "marker",
+        workload=not args.no_workload,
+    )
+    configs = [replace(base, seed=s) for s in range(args.seed, args.seed + args.seeds)]
+    summary = run_seeds(configs, jobs=args.jobs, progress=not args.json and sys.stderr.isatty())
+    result = summary.to_json()
+    result["nodes"] = args.nodes
+    result["faults"] = sorted(args.faults)
+    result["rounds_bound"] = rounds_bound(args.nodes)
+    if not args.no_lattice:
+        result["lattice"] = lattice_table(args.nodes, args.ranks, args.seed)
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
+    else:
+        _print_human(result)
+    return 1 if summary.violations or summary.converged < summary.runs else 0
+
+
+def rounds_bound(nodes: int) -> int:
+    """The liveness bound the issue sets: 2 * ceil(log2 N) handshake rounds."""
+    return 2 * max(1, math.ceil(math.log2(nodes))) if nodes > 1 else 2
+
+
+def _print_human(r: dict[str, Any]) -> None:
+    rows: Iterable[tuple[str, Any]] = [
+        ("nodes", r["nodes"]),
+        ("faults", ", ".join(r["faults"]) or "none"),
+        ("runs", r["runs"]),
+        ("violations", r["violations"]),
+        ("converged", f"{r['converged']} / {r['runs']}"),
+        (
+            "rounds to converge",
+            f"median {r['median_rounds_to_converge']}, max {r['max_rounds_to_converge']}",
+        ),
+        ("messages", f"{r['messages']} ({r['messages_per_second']}/s)"),
+        ("wall time", f"{r['wall_seconds']} s"),
+    ]
+    if "trace_hash" in r:
+        rows = [*rows, ("trace hash", r["trace_hash"])]
+    if "marker_samples" in r:
+        rows = [
+            *rows,
+            (
+                "latest-marker invalid",
+                f"{r['marker_invalid_restores']} of {r['marker_samples']} sampled restores",
+            ),
+            ("convergenced invalid", f"{r['convergence_invalid_restores']}"),
+        ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    if r.get("fault_counts"):
+        print("faults injected: " + ", ".join(f"{k} {v}" for k, v in r["fault_counts"].items()))
+    if "lattice" in r:
+        print("\nepoch lattice: fraction of instants where every domain on every node")
+        print("holds the same newest epoch")
+        print("  domains  fraction")
+        for d, frac in r["lattice"].items():
+            print(f"  {d:>7}  {frac:.3f}")
+    for f in r["failures"][:10]:
+        print(f"\nVIOLATION {f['invariant']} at seed {f['seed']}: {f['detail']}")
+        print("  last events:")
+        for line in f["trace"]:
+            print(f"    {line}")
+        print(f"  replay: {f['replay']}")
+
+
+def cpu_count() -> int:
+    """CPUs this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
