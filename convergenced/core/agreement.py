@@ -73,6 +73,8 @@ class StreamAgreement:
         self.members = frozenset(spec.member_ids)
         self.aggregate = MemberAggregate(spec.member_ids)
         self.conflicts: dict[str, bytes] = {}
+        self.fresh_from: dict[str, tuple[int, int]] = {}
+        """Per member, the oldest record stamp we may use (see `facts.HighWater`)."""
 
     def observe(self, record: Record) -> bool:
         """Take a (winning) record of another member into the aggregate.
@@ -87,6 +89,11 @@ class StreamAgreement:
             self.aggregate.set(record.origin, Summary.absent())
             return new
         self.conflicts.pop(record.origin, None)
+        floor = self.fresh_from.get(record.origin)
+        if floor is not None and record.stamp < floor:
+            # Older than what justified our high-water mark: stale, not evidence.
+            self.aggregate.set(record.origin, Summary.absent())
+            return False
         self.aggregate.set(
             record.origin,
             Summary.of_member(

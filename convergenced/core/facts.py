@@ -81,10 +81,16 @@ class HighWater:
 
     Produced by the core itself; it must be durable before the record that carries
     the restore point leaves the node, because other nodes garbage-collect below it.
+
+    ``evidence`` holds, per other member, the (incarnation, version) of its record
+    that justified this restore point. After a restart, records older than that are
+    stale (a relay can bring them back) and must not pass for a loss: they are
+    ignored until fresher ones arrive, so a restart never fakes a rollback (S3).
     """
 
     stream: str
     epoch: int
+    evidence: tuple[tuple[str, int, int], ...] = ()
 
 
 Fact = Declare | Commit | Retract | Retire | Freeze | HighWater

@@ -193,7 +193,10 @@ class NodeCore:
                 del st.facts.frozen[min(st.facts.frozen)]
         elif isinstance(fact, HighWater):
             hw = st.facts.high_water
-            st.facts.high_water = fact.epoch if hw is None else max(hw, fact.epoch)
+            if hw is None or fact.epoch >= hw:
+                st.facts.high_water = fact.epoch
+                for member, inc, ver in fact.evidence:
+                    st.agreement.fresh_from[member] = (inc, ver)
         return fact.stream
 
     def _check_declare(self, spec: StreamSpec) -> None:
@@ -411,7 +414,13 @@ class NodeCore:
         st.decision = d
         if d.high_water != f.high_water and d.high_water is not None:
             f.high_water = d.high_water
-            self.pending_facts.append(HighWater(name, d.high_water))
+            records = self.view.stream(name)
+            evidence = tuple(
+                (m, r.incarnation, r.version)
+                for m in f.spec.member_ids
+                if m != self.node_id and (r := records.get(m)) is not None
+            )
+            self.pending_facts.append(HighWater(name, d.high_water, evidence))
         old_rp = prev.restore_point if prev else None
         if d.restore_point != old_rp:
             self.events.append(RestorePointChanged(name, old_rp, d.restore_point, d.rollback))

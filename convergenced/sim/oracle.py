@@ -23,6 +23,10 @@ class InvariantViolation(Exception):
         self.invariant = invariant
         self.detail = detail
 
+    def __reduce__(self) -> tuple[type[InvariantViolation], tuple[str, str]]:
+        # Results cross process boundaries (--jobs); keep the two-argument form.
+        return (type(self), (self.invariant, self.detail))
+
 
 @dataclass
 class Truth:

@@ -1,0 +1,180 @@
+"""The simulator as a safety net: deterministic, fault-heavy, and able to bite.
+
+The swarm test is the main guard on every protocol change: 500 seeds with every
+fault, checked against ground truth after each event. The mutation tests prove
+the oracle is not asleep: a deliberately broken merge or GC rule must be caught.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from convergenced.core.agreement import StreamAgreement
+from convergenced.core.records import Record
+from convergenced.sim.runner import replay_command, run_seeds
+from convergenced.sim.world import FAULTS, SimConfig, Simulation
+
+SWARM_SEEDS = 500
+
+
+def _configs(n: int, start: int = 0, **kw: object) -> list[SimConfig]:
+    base = replace(SimConfig(), **kw)  # type: ignore[arg-type]
+    return [replace(base, seed=s) for s in range(start, start + n)]
+
+
+def test_same_seed_gives_the_same_trace_hash() -> None:
+    a = Simulation(SimConfig(seed=7)).run()
+    b = Simulation(SimConfig(seed=7)).run()
+    assert a.trace_hash == b.trace_hash
+    assert a.messages == b.messages
+
+
+def test_different_seeds_give_different_traces() -> None:
+    a = Simulation(SimConfig(seed=1)).run()
+    b = Simulation(SimConfig(seed=2)).run()
+    assert a.trace_hash != b.trace_hash
+
+
+def test_swarm_of_seeds_with_all_faults_keeps_every_invariant() -> None:
+    summary = run_seeds(_configs(SWARM_SEEDS), jobs=2)
+    assert summary.failures == []
+    assert summary.violations == 0
+    assert summary.converged == SWARM_SEEDS
+    # Every fault was actually exercised somewhere in the swarm.
+    assert set(summary.fault_counts) == set(FAULTS) - {"skew"}
+
+
+def test_five_nodes_with_crashes_and_partitions_only() -> None:
+    summary = run_seeds(
+        _configs(40, start=10_000, nodes=5, faults=frozenset({"crash", "partition"}))
+    )
+    assert summary.failures == []
+    assert summary.converged == 20
+
+
+def test_overlay_cluster_converges_within_two_log_n_rounds() -> None:
+    n = 64  # beyond the mesh limit: Chord-finger overlay with relaying
+    r = Simulation(
+        SimConfig(nodes=n, seed=3, faults=frozenset(), workload=False, safety_us=20_000)
+    ).run()
+    assert r.violation is None
+    assert r.converged
+    assert r.rounds_to_converge is not None
+    assert r.rounds_to_converge <= 2 * math.ceil(math.log2(n))
+
+
+def test_convergence_never_restores_an_invalid_epoch_while_the_marker_does() -> None:
+    summary = run_seeds(_configs(20, start=500, compare_marker=True))
+    assert summary.violations == 0
+    assert summary.marker_samples > 0
+    assert summary.convergence_invalid_restores == 0
+    assert summary.marker_invalid_restores > 0
+
+
+# -- the oracle bites -------------------------------------------------------------
+
+
+def _first_violation(configs: list[SimConfig]) -> str | None:
+    for cfg in configs:
+        r = Simulation(cfg).run()
+        if r.violation is not None:
+            return r.violation.invariant
+    return None
+
+
+def test_oracle_catches_a_merge_that_lets_stale_records_win(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Broken rule: a replayed record overwrites a newer one.
+    monkeypatch.setattr(Record, "supersedes", lambda self, other: True)
+    found = _first_violation(_configs(30, faults=frozenset({"replay", "crash", "retract"})))
+    assert found is not None
+
+
+def test_oracle_catches_a_gc_rule_that_ignores_retention(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    original = StreamAgreement.gc_horizon
+
+    def too_eager(self: StreamAgreement) -> int | None:
+        h = original(self)
+        return None if h is None else h + self.spec.retention + 2
+
+    monkeypatch.setattr(StreamAgreement, "gc_horizon", too_eager)
+    found = _first_violation(_configs(30, faults=frozenset({"retract"})))
+    assert found in {"S1", "S4"}
+
+
+def test_oracle_catches_a_restore_point_that_ignores_proposals(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Broken phase two: take max(CI) without waiting for every member's proposal.
+    original = StreamAgreement.decide
+
+    def hasty(self: StreamAgreement, *a: object, **k: object):  # type: ignore[no-untyped-def]
+        d = original(self, *a, **k)  # type: ignore[arg-type]
+        if d.convergence is not None and d.convergence.max() is not None:
+            return replace(d, restore_point=d.convergence.max())
+        return d
+
+    monkeypatch.setattr(StreamAgreement, "decide", hasty)
+    found = _first_violation(_configs(30, faults=frozenset({"retract", "crash"})))
+    assert found is not None
+
+
+# -- the command --------------------------------------------------------------------
+
+
+def _sim(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "convergenced.cli", "sim", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_sim_json_reports_the_documented_fields() -> None:
+    p = _sim("--nodes", "3", "--seeds", "1", "--seed", "4", "--compare", "marker", "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    for key in ("runs", "violations", "converged", "max_rounds_to_converge", "messages",
+                "trace_hash", "marker_invalid_restores", "lattice"):  # fmt: skip
+        assert key in out
+    assert out["runs"] == 1 and out["violations"] == 0
+    assert set(out["lattice"]) == {"1", "2", "3", "4", "6", "8"}
+
+
+def test_sim_replays_a_seed_to_the_same_trace_hash() -> None:
+    one = json.loads(_sim("--seed", "11", "--json", "--no-lattice").stdout.splitlines()[-1])
+    two = json.loads(_sim("--seed", "11", "--json", "--no-lattice").stdout.splitlines()[-1])
+    assert one["trace_hash"] == two["trace_hash"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--nodes", "0"], "must be at least 1"),
+        (["--nodes", "x"], "is not an integer"),
+        (["--faults", "meteor"], "unknown fault 'meteor'"),
+        (["--seed", "-1"], "must not be negative"),
+        (["--compare", "etcd"], "invalid choice"),
+    ],
+)
+def test_sim_rejects_bad_arguments_with_exit_code_2(args: list[str], message: str) -> None:
+    p = _sim(*args)
+    assert p.returncode == 2
+    assert message in p.stderr
+
+
+def test_replay_command_names_seed_nodes_and_faults() -> None:
+    cmd = replay_command(SimConfig(nodes=5, seed=42, faults=frozenset({"crash", "reset"})))
+    assert cmd == "convergenced sim --nodes 5 --seed 42 --faults reset,crash"
+    assert "--faults all" in replay_command(SimConfig(seed=1))
