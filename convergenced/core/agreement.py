@@ -81,26 +81,36 @@ class StreamAgreement:
 
         Returns True when a new spec conflict appeared.
         """
-        if record.origin not in self.members or record.origin == self.me:
-            return False
+        return bool(self.observe_many([record]))
+
+    def observe_many(self, records: list[Record]) -> list[Record]:
+        """`observe` for a batch (one tree update); returns records with new conflicts."""
+        leaves: list[tuple[str, Summary]] = []
+        conflicts: list[Record] = []
+        for record in records:
+            leaf = self._leaf(record, conflicts)
+            if leaf is not None:
+                leaves.append((record.origin, leaf))
+        self.aggregate.set_many(leaves)
+        return conflicts
+
+    def _leaf(self, record: Record, conflicts: list[Record]) -> Summary | None:
+        origin = record.origin
+        if origin not in self.members or origin == self.me:
+            return None
         if record.spec_digest != self.digest:
-            new = record.origin not in self.conflicts
-            self.conflicts[record.origin] = record.spec_digest
-            self.aggregate.set(record.origin, Summary.absent())
-            return new
-        self.conflicts.pop(record.origin, None)
-        floor = self.fresh_from.get(record.origin)
+            if origin not in self.conflicts:
+                conflicts.append(record)
+            self.conflicts[origin] = record.spec_digest
+            return Summary.absent()
+        self.conflicts.pop(origin, None)
+        floor = self.fresh_from.get(origin)
         if floor is not None and record.stamp < floor:
             # Older than what justified our high-water mark: stale, not evidence.
-            self.aggregate.set(record.origin, Summary.absent())
-            return False
-        self.aggregate.set(
-            record.origin,
-            Summary.of_member(
-                record.recoverable, record.proposal, record.restore_point, record.high_water
-            ),
+            return Summary.absent()
+        return Summary.of_member(
+            record.recoverable, record.proposal, record.restore_point, record.high_water
         )
-        return False
 
     def decide(
         self,

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from convergenced.core.errors import FactError
-from convergenced.core.interval_set import MAX_EPOCH, IntervalSet
+from convergenced.core.interval_set import EMPTY, MAX_EPOCH, IntervalSet
 from convergenced.core.spec import PolicyMode, StreamSpec
 from convergenced.core.validate import NAME_RE
 
@@ -112,14 +112,17 @@ class StreamFacts:
     high_water: int | None = None
     _rank_sets: dict[int, IntervalSet] = field(default_factory=dict)
     _recoverable: IntervalSet = field(default_factory=IntervalSet)
+    _ranks: tuple[int, ...] = ()
+    _newest: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self._ranks = self.spec.ranks_of(self.node)
         self._recompute_all()
 
     @property
     def ranks(self) -> tuple[int, ...]:
         """The ranks this node hosts in the stream."""
-        return self.spec.ranks_of(self.node)
+        return self._ranks
 
     @property
     def recoverable(self) -> IntervalSet:
@@ -140,7 +143,7 @@ class StreamFacts:
         if type(fact.epoch) is not int or not 0 <= fact.epoch <= MAX_EPOCH:
             raise FactError(f"epoch {fact.epoch!r} is not in [0, 2^63-1]", reason="bad_epoch")
         key = (fact.rank, fact.domain)
-        if isinstance(fact, Commit) and fact.epoch in self.retired.get(key, IntervalSet()):
+        if isinstance(fact, Commit) and fact.epoch in self.retired.get(key, EMPTY):
             raise FactError(
                 f"stream {self.spec.name!r}: epoch {fact.epoch} was retired from "
                 f"{fact.domain} by rank {fact.rank}; commit a new epoch instead",
@@ -151,17 +154,17 @@ class StreamFacts:
         """Apply a checked fact; return True when the recoverable set or newest changed."""
         self.check(fact)
         key = (fact.rank, fact.domain)
-        before = self.available.get(key, IntervalSet())
-        one = IntervalSet.of(fact.epoch)
+        before = self.available.get(key, EMPTY)
         if isinstance(fact, Commit):
-            after = before | one
+            after = before.add(fact.epoch)
         else:
-            after = before - one
+            after = before.remove(fact.epoch)
             if isinstance(fact, Retire):
-                self.retired[key] = self.retired.get(key, IntervalSet()) | one
-        if after == before:
+                self.retired[key] = self.retired.get(key, EMPTY).add(fact.epoch)
+        if after is before:
             return False
         self.available[key] = after
+        self._recompute_newest(fact.domain)
         if fact.domain in self.spec.policy.domains:
             self._recompute_rank(fact.rank)
         return True
@@ -170,27 +173,35 @@ class StreamFacts:
 
     def newest_by_domain(self) -> dict[str, int]:
         """Per domain, the newest epoch that every local rank holds there."""
-        domains = sorted({d for _, d in self.available})
-        out: dict[str, int] = {}
-        for d in domains:
-            sets = [self.available.get((r, d), IntervalSet()) for r in self.ranks]
-            common = IntervalSet.intersect_all(sets)
-            newest = common.max()
-            if newest is not None:
-                out[d] = newest
-        return out
+        return dict(self._newest)
+
+    def _recompute_newest(self, domain: str) -> None:
+        common = IntervalSet.intersect_all(
+            [self.available.get((r, domain), EMPTY) for r in self._ranks]
+        )
+        newest = common.max()
+        if newest is None:
+            self._newest.pop(domain, None)
+        else:
+            self._newest[domain] = newest
+        self._newest = dict(sorted(self._newest.items()))
 
     def _rank_set(self, rank: int) -> IntervalSet:
-        sets = [self.available.get((rank, d), IntervalSet()) for d in self.spec.policy.domains]
+        sets = [self.available.get((rank, d), EMPTY) for d in self.spec.policy.domains]
         if self.spec.policy.mode is PolicyMode.ALL:
             return IntervalSet.intersect_all(sets)
         return IntervalSet.union_all(sets)
 
     def _recompute_rank(self, rank: int) -> None:
-        self._rank_sets[rank] = self._rank_set(rank)
-        self._recoverable = IntervalSet.intersect_all([self._rank_sets[r] for r in self.ranks])
+        new = self._rank_set(rank)
+        if new == self._rank_sets.get(rank):
+            return  # e.g. a fast tier ahead of the policy's slow one: nothing changes
+        self._rank_sets[rank] = new
+        self._recoverable = IntervalSet.intersect_all([self._rank_sets[r] for r in self._ranks])
 
     def _recompute_all(self) -> None:
-        for r in self.ranks:
+        for r in self._ranks:
             self._rank_sets[r] = self._rank_set(r)
-        self._recoverable = IntervalSet.intersect_all([self._rank_sets[r] for r in self.ranks])
+        self._recoverable = IntervalSet.intersect_all([self._rank_sets[r] for r in self._ranks])
+        for d in sorted({d for _, d in self.available}):
+            self._recompute_newest(d)

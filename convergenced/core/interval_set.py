@@ -114,6 +114,58 @@ class IntervalSet:
             best = min(hi, bound)
         return best
 
+    # -- single epochs (the commit path) --------------------------------------
+
+    def add(self, epoch: int) -> IntervalSet:
+        """This set plus ``epoch``; O(log n) search, and O(1) work for the usual
+        case of the next epoch in sequence.
+
+        Raises:
+            ValueError: ``epoch`` outside ``[0, MAX_EPOCH]``.
+        """
+        if not 0 <= epoch <= MAX_EPOCH:
+            raise ValueError(f"invalid epoch {epoch}")
+        rs = self._ranges
+        if rs and epoch == rs[-1][1] + 1:  # the common case: the next epoch
+            return IntervalSet._from_normal((*rs[:-1], (rs[-1][0], epoch)))
+        i = self._index_after(epoch)  # first range with lo > epoch
+        if i and rs[i - 1][1] >= epoch:
+            return self  # already present
+        lo, hi = epoch, epoch
+        start, end = i, i
+        if i and rs[i - 1][1] + 1 == epoch:
+            lo = rs[i - 1][0]
+            start = i - 1
+        if i < len(rs) and rs[i][0] == epoch + 1:
+            hi = rs[i][1]
+            end = i + 1
+        return IntervalSet._from_normal((*rs[:start], (lo, hi), *rs[end:]))
+
+    def remove(self, epoch: int) -> IntervalSet:
+        """This set without ``epoch``."""
+        rs = self._ranges
+        i = self._index_after(epoch) - 1
+        if i < 0 or rs[i][1] < epoch:
+            return self
+        lo, hi = rs[i]
+        middle: list[tuple[int, int]] = []
+        if lo < epoch:
+            middle.append((lo, epoch - 1))
+        if epoch < hi:
+            middle.append((epoch + 1, hi))
+        return IntervalSet._from_normal((*rs[:i], *middle, *rs[i + 1 :]))
+
+    def _index_after(self, epoch: int) -> int:
+        rs = self._ranges
+        lo_i, hi_i = 0, len(rs)
+        while lo_i < hi_i:
+            mid = (lo_i + hi_i) // 2
+            if rs[mid][0] > epoch:
+                hi_i = mid
+            else:
+                lo_i = mid + 1
+        return lo_i
+
     # -- algebra ------------------------------------------------------------
 
     def union(self, other: IntervalSet) -> IntervalSet:
@@ -127,6 +179,15 @@ class IntervalSet:
     def intersection(self, other: IntervalSet) -> IntervalSet:
         """Epochs in both sets."""
         a, b = self._ranges, other._ranges
+        if not a or not b:
+            return EMPTY
+        if len(a) == 1 and len(b) == 1:
+            lo, hi = max(a[0][0], b[0][0]), min(a[0][1], b[0][1])
+            if lo > hi:
+                return EMPTY
+            if (lo, hi) == a[0]:
+                return self
+            return other if (lo, hi) == b[0] else IntervalSet._from_normal(((lo, hi),))
         i = j = 0
         out: list[tuple[int, int]] = []
         while i < len(a) and j < len(b):
@@ -244,3 +305,7 @@ class IntervalSet:
     def __repr__(self) -> str:
         parts = [str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in self._ranges]
         return "IntervalSet{" + ", ".join(parts) + "}"
+
+
+EMPTY = IntervalSet()
+"""The empty set (shared: instances are immutable)."""

@@ -437,7 +437,7 @@ class Link:
             s = known.get(current.key)
             if s is not None and current.stamp <= s:
                 continue
-            size = len(pack(current.to_wire()))
+            size = len(current.packed())
             if len(out) >= limit or size > budget:
                 self._backlog = [r for r in pending[i:] if r.key not in seen]
                 break

@@ -255,20 +255,20 @@ class NodeCore:
         produce is ignored (another process is using our identity).
         """
         kept: list[Record] = []
-        touched: set[str] = set()
+        by_stream: dict[str, list[Record]] = {}
         for rec in records:
             if rec.origin == self.node_id and rec.incarnation >= self.incarnation:
                 continue
             if self.view.merge(rec):
                 kept.append(rec)
-                st = self._streams.get(rec.stream)
-                if st is not None:
-                    if st.agreement.observe(rec):
-                        self.events.append(
-                            SpecConflictDetected(rec.stream, rec.origin, rec.spec_digest)
-                        )
-                    touched.add(rec.stream)
-        for name in sorted(touched):
+                if rec.stream in self._streams:
+                    by_stream.setdefault(rec.stream, []).append(rec)
+        for name in sorted(by_stream):
+            # A batch may hold several versions of one origin: the view's winner counts.
+            winners = {r.origin: r for r in by_stream[name]}
+            current = [self.view.stream(name)[o] for o in winners]
+            for rec in self._streams[name].agreement.observe_many(current):
+                self.events.append(SpecConflictDetected(name, rec.origin, rec.spec_digest))
             self._refresh(name)
         return kept
 

@@ -5,7 +5,8 @@ record carries the origin's incarnation (bumped at every restart) and version
 (bumped at every change). A *view* holds, per key, the record with the highest
 ``(incarnation, version)``; when two records claim the same pair but differ (an
 origin that equivocated, which a correct node never does), the one with the larger
-fingerprint wins (and for the same body, the greater signature). That makes `View.merge` a join on a semilattice: commutative,
+fingerprint wins, and for the same body the larger signature (so a signed copy beats
+an unsigned one). That makes `View.merge` a join on a semilattice: commutative,
 associative and idempotent, so the order and repetition of deliveries never matter
 and any node may relay records unchanged.
 
@@ -27,6 +28,7 @@ import msgpack
 
 from convergenced.core.interval_set import IntervalSet
 from convergenced.core.validate import (
+    NAME_RE,
     as_bytes,
     as_int,
     as_list,
@@ -66,6 +68,7 @@ class Record:
     """Frozen sets of the origin's open recovery generations (sorted by generation)."""
     signature: bytes = b""
     _fingerprint: bytes = field(default=b"", compare=False, repr=False)
+    _packed: bytes = field(default=b"", compare=False, repr=False)
 
     @property
     def key(self) -> RecordKey:
@@ -126,6 +129,15 @@ class Record:
         """Wire form: the body followed by the signature (``b""`` when unsigned)."""
         return [*self.body(), self.signature]
 
+    def packed(self) -> bytes:
+        """msgpack encoding of `to_wire`, cached: records are immutable and relayed
+        unchanged, so each is packed once however many links it crosses."""
+        if not self._packed:
+            object.__setattr__(
+                self, "_packed", bytes(msgpack.packb(self.to_wire(), use_bin_type=True))
+            )
+        return self._packed
+
     @classmethod
     def from_wire(cls, obj: Any, path: str) -> Record:
         """Parse and strictly validate the wire form.
@@ -133,6 +145,10 @@ class Record:
         Raises:
             RemoteProtocolError: naming ``path`` and the field at fault.
         """
+        fast = _from_wire_fast(obj)
+        if fast is not None:
+            return fast
+        # Something is off: the slow path finds it and names the field.
         f = as_list(obj, path, max_len=12, length=12)
         stream = as_name(f[0], f"{path}.stream")
         origin = as_name(f[1], f"{path}.origin")
@@ -176,6 +192,98 @@ class Record:
             stream, origin, incarnation, version, spec_digest, recoverable,
             tuple(newest), proposal, restore_point, high_water, tuple(gens), signature,
         )  # fmt: skip
+
+
+_I64 = 2**63 - 1
+_GOOD_NAMES: set[str] = set()
+
+
+def _name_ok(value: Any) -> bool:
+    if type(value) is not str:
+        return False
+    if value in _GOOD_NAMES:
+        return True
+    if len(value) > 128 or not NAME_RE.match(value):
+        return False
+    if len(_GOOD_NAMES) >= 65_536:  # bounded: names repeat, garbage must not pile up
+        _GOOD_NAMES.clear()
+    _GOOD_NAMES.add(value)
+    return True
+
+
+def _set_fast(flat: Any) -> IntervalSet | None:
+    if type(flat) is not list or len(flat) % 2 or len(flat) > 2 * MAX_RANGES:
+        return None
+    pairs: list[tuple[int, int]] = []
+    prev_hi = -2
+    for i in range(0, len(flat), 2):
+        lo, hi = flat[i], flat[i + 1]
+        if type(lo) is not int or type(hi) is not int:
+            return None
+        if lo <= prev_hi + 1 or lo > hi or hi > _I64:
+            return None
+        pairs.append((lo, hi))
+        prev_hi = hi
+    return IntervalSet._from_normal(tuple(pairs))
+
+
+def _opt_int_ok(v: Any) -> bool:
+    return v is None or (type(v) is int and 0 <= v <= _I64)
+
+
+def _from_wire_fast(obj: Any) -> Record | None:
+    """Decode a well-formed record quickly; None means "let the strict path judge".
+
+    Checks exactly what `Record.from_wire`'s strict path checks, but builds no
+    error text, so the common case costs a few microseconds.
+    """
+    if type(obj) is not list or len(obj) != 12:
+        return None
+    stream, origin, inc, ver, sd, rec, newest_raw, prop, rp, hw, gens_raw, sig = obj
+    if not (_name_ok(stream) and _name_ok(origin)):
+        return None
+    if type(inc) is not int or type(ver) is not int or not (0 <= inc <= _I64 and 0 <= ver <= _I64):
+        return None
+    if type(sd) is not bytes or len(sd) != SPEC_DIGEST_LEN:
+        return None
+    recoverable = _set_fast(rec)
+    if recoverable is None:
+        return None
+    if type(newest_raw) is not list or len(newest_raw) > MAX_DOMAINS:
+        return None
+    newest: list[tuple[str, int]] = []
+    prev = ""
+    for pair in newest_raw:
+        if type(pair) is not list or len(pair) != 2:
+            return None
+        d, e = pair
+        if not _name_ok(d) or type(e) is not int or not 0 <= e <= _I64 or (newest and d <= prev):
+            return None
+        prev = d
+        newest.append((d, e))
+    if not (_opt_int_ok(prop) and _opt_int_ok(rp) and _opt_int_ok(hw)):
+        return None
+    if type(gens_raw) is not list or len(gens_raw) > MAX_GENERATIONS:
+        return None
+    gens: list[tuple[int, IntervalSet]] = []
+    for pair in gens_raw:
+        if type(pair) is not list or len(pair) != 2:
+            return None
+        g, flat = pair
+        epochs = _set_fast(flat)
+        if (
+            type(g) is not int
+            or not 0 <= g <= _I64
+            or epochs is None
+            or (gens and g <= gens[-1][0])
+        ):
+            return None
+        gens.append((g, epochs))
+    if type(sig) is not bytes or len(sig) not in (0, SIGNATURE_LEN):
+        return None
+    return Record(
+        stream, origin, inc, ver, sd, recoverable, tuple(newest), prop, rp, hw, tuple(gens), sig
+    )
 
 
 def decode_set(obj: Any, path: str) -> IntervalSet:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -65,6 +65,7 @@ class StreamSpec:
     policy: Policy
     retention: int
     """Epochs kept below the lowest published restore point (in epoch units)."""
+    _digest: bytes = field(default=b"", compare=False, repr=False)
 
     @classmethod
     def create(
@@ -205,8 +206,10 @@ class StreamSpec:
 
     @property
     def digest(self) -> bytes:
-        """SHA-256 of `canonical_bytes`: equal specs have equal digests."""
-        return hashlib.sha256(self.canonical_bytes()).digest()
+        """SHA-256 of `canonical_bytes`: equal specs have equal digests (cached)."""
+        if not self._digest:
+            object.__setattr__(self, "_digest", hashlib.sha256(self.canonical_bytes()).digest())
+        return self._digest
 
     def differences(self, other: StreamSpec) -> list[str]:
         """Human-readable differences, for conflict errors."""
