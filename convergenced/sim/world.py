@@ -471,11 +471,13 @@ class Simulation:
             self.at(self.now + 1_000, self._deliver, conn, dst)
             return
         _, data = conn.inflight[dst].popleft()
-        self.result.messages += 1
         self.result.bytes += len(data)
         self.trace(f"deliver {src}->{dst} {len(data)}")
+        link = conn.links[dst]
+        frames_before = link.frames_received
         try:
-            conn.links[dst].receive_data(data)
+            link.receive_data(data)
+            self.result.messages += link.frames_received - frames_before
         except ProtocolError as err:
             raise InvariantViolation(
                 "protocol", f"{dst} rejected bytes from {src}: {err}"
