@@ -64,6 +64,7 @@ class Summary:
     convergence_invalid_restores: int = 0
     fault_counts: dict[str, int] = field(default_factory=dict)
     trace_hash: str | None = None
+    bytes_per_node_per_round: list[float] = field(default_factory=list)
 
     def add(self, cfg: SimConfig, r: Result) -> None:
         """Fold one result in."""
@@ -78,6 +79,7 @@ class Summary:
         if r.converged and r.rounds_to_converge is not None:
             self.converged += 1
             self.rounds.append(r.rounds_to_converge)
+            self.bytes_per_node_per_round.append(r.bytes_per_node_per_round)
             self.max_rounds_to_converge = max(self.max_rounds_to_converge, r.rounds_to_converge)
         if r.violation is not None:
             self.violations += 1
@@ -101,6 +103,11 @@ class Summary:
             "max_rounds_to_converge": self.max_rounds_to_converge,
             "median_rounds_to_converge": rounds[len(rounds) // 2] if rounds else None,
             "messages": self.messages,
+            "median_bytes_per_node_per_round": round(
+                sorted(self.bytes_per_node_per_round)[len(self.bytes_per_node_per_round) // 2]
+            )
+            if self.bytes_per_node_per_round
+            else None,
             "bytes": self.bytes,
             "messages_per_second": round(self.messages / self.wall_seconds)
             if self.wall_seconds

@@ -183,6 +183,7 @@ class Simulation:
         self.outstanding = 0
         self._rp_moved = False
         self._want: int | None = None
+        self._bytes_at_final = 0
         self.closed_below: dict[str, int] = {}
         """Per node, over all its lives: generations below this are closed."""
         """Facts on their way to durability (the final commit waits for none)."""
@@ -361,6 +362,7 @@ class Simulation:
                 if self.final_acks == self._final_needed:
                     # Nothing changes the truth from here on: the target is fixed.
                     self.t_final = self.now
+                    self._bytes_at_final = self.result.bytes
                     self._want = self.expected_restore_point()
                     self._rp_moved = True
         self.trace(f"durable {nid} {type(fact).__name__} {getattr(fact, 'epoch', '')}")
@@ -793,6 +795,8 @@ class Simulation:
         r.restore_point = want
         rtt = 2 * self.cfg.latency_us
         r.rounds_to_converge = max(1, math.ceil((self.now - self.t_final) / rtt))
+        spent = r.bytes - self._bytes_at_final
+        r.bytes_per_node_per_round = spent / len(self.ids) / r.rounds_to_converge
         return True
 
     def _liveness_failure(self) -> None:
