@@ -13,9 +13,10 @@ from hypothesis import event as hypothesis_event
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from convergenced.core.aggregate import MemberAggregate, Summary
 from convergenced.core.agreement import Knowledge
 from convergenced.core.errors import FactError
-from convergenced.core.facts import Commit, Declare, Freeze, HighWater, Retire, Retract
+from convergenced.core.facts import Commit, Declare, Fact, Freeze, HighWater, Retire, Retract
 from convergenced.core.interval_set import IntervalSet
 from convergenced.core.node import (
     GenerationClosedError,
@@ -84,6 +85,62 @@ def restore_events(node: NodeCore) -> list[RestorePointChanged]:
 
 def high_waters(node: NodeCore) -> list[int]:
     return [f.epoch for f in node.pending_facts if isinstance(f, HighWater)]
+
+
+# -- the member aggregate ------------------------------------------------------------
+
+
+summaries = st.one_of(
+    st.just(Summary.absent()),
+    st.builds(
+        Summary.of_member,
+        st.lists(st.integers(0, 12), max_size=6).map(lambda es: IntervalSet.of(*es)),
+        st.none() | st.integers(0, 12),
+        st.none() | st.integers(0, 12),
+        st.none() | st.integers(0, 12),
+    ),
+)
+
+
+def _fold(leaves: list[Summary]) -> Summary:
+    """The aggregate computed the obvious way, member by member."""
+    present = [leaf for leaf in leaves if not leaf.missing]
+    missing = len(leaves) - len(present)
+    recoverable = None
+    if not missing:
+        recoverable = IntervalSet.intersect_all(
+            [p.recoverable for p in present if p.recoverable is not None]
+        )
+    proposals = [leaf.min_proposal for leaf in leaves]
+    points = [leaf.min_restore_point for leaf in leaves]
+    waters = [leaf.max_high_water for leaf in leaves if leaf.max_high_water is not None]
+    return Summary(
+        missing,
+        recoverable,
+        None if None in proposals else min(p for p in proposals if p is not None),
+        None if None in points else min(p for p in points if p is not None),
+        max(waters, default=None),
+    )
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 9), st.data())
+def test_member_aggregate_root_equals_a_fold_over_all_members(
+    size: int, data: st.DataObject
+) -> None:
+    members = tuple(f"m{i}" for i in range(size))
+    agg = MemberAggregate(members)
+    leaves = dict.fromkeys(members, Summary.absent())
+    assert agg.root == _fold(list(leaves.values()))
+    for _ in range(data.draw(st.integers(1, 12))):
+        batch = data.draw(st.lists(st.tuples(st.sampled_from(members), summaries), max_size=4))
+        if len(batch) == 1 and data.draw(st.booleans()):
+            agg.set(*batch[0])
+        else:
+            agg.set_many(batch)
+        leaves.update(batch)
+        assert agg.root == _fold(list(leaves.values()))
+        assert all(agg.leaf(m) == leaf for m, leaf in leaves.items())
 
 
 # -- proposal and convergence interval ------------------------------------------
@@ -278,6 +335,14 @@ class Harness:
             # The rank deletes the oldest epoch it holds that the daemon says is safe.
             victim = (node.safe_to_delete(STREAM) & node.status(STREAM).recoverable).min()
             if victim is not None:
+                # S4: no open generation of any member froze it. (A generation older
+                # than one already resolved somewhere is superseded, no longer open.)
+                newest_resolved = max(self.answers, default=0)
+                for member in self.nodes.values():
+                    record = member.own_record(STREAM)
+                    assert record is not None
+                    for g, frozen in record.generations:
+                        assert g < newest_resolved or victim not in frozen, (g, frozen)
                 node.apply(Retire(STREAM, RANK[x], "nvme", victim))
                 self.retired.add(victim)
                 hypothesis_event("an epoch was retired")
@@ -356,10 +421,10 @@ def test_without_losses_restore_point_only_rises_and_ends_at_the_newest_common_e
     for op in script:
         h.run(op)
         for m, node in h.nodes.items():
-            now = rp(node)
-            if last[m] is not None:
+            now, before = rp(node), last[m]
+            if before is not None:
                 assert now is not None
-                assert now >= last[m]  # S3: never backwards without a retraction
+                assert now >= before  # S3: never backwards without a retraction
             last[m] = now
     h.sync()
     expected = max(h.everywhere(), default=None)
@@ -454,7 +519,7 @@ def test_rollback_floor_uses_the_highest_high_water_of_any_member() -> None:
     assert a.status(STREAM).restore_point is None  # 4 is below 7 - 2
 
 
-def test_restore_point_survives_an_unknown_member_record_without_rolling_back() -> None:
+def test_a_conflicting_member_record_keeps_the_restore_point_without_rollback() -> None:
     n = cluster()
     commit(n["a"], 1, 2)
     commit(n["b"], 1, 2)
@@ -467,6 +532,79 @@ def test_restore_point_survives_an_unknown_member_record_without_rolling_back() 
     assert n["a"].status(STREAM).knowledge is Knowledge.INCOMPLETE
     assert rp(n["a"]) == 2
     assert restore_events(n["a"]) == []
+
+
+def test_after_a_loss_a_point_below_the_high_water_mark_is_reported_as_rollback() -> None:
+    n = cluster(retention=2)
+    a, b = n["a"], n["b"]
+    commit(a, *range(1, 6))
+    commit(b, *range(1, 6))
+    sync(a, b)
+    a.events.clear()
+    retract(a, 3, 4, 5)  # 2 is below the floor 5 - 2: no restore point at all
+    assert restore_events(a) == [RestorePointChanged(STREAM, 5, None, rollback=True)]
+    a.events.clear()
+    commit(a, 4)  # 4 is back: at the floor, but below the high-water mark 5
+    assert restore_events(a) == [RestorePointChanged(STREAM, None, 4, rollback=True)]
+
+
+def test_a_restarted_node_resumes_from_its_high_water_mark() -> None:
+    n = cluster()
+    a, b = n["a"], n["b"]
+    commit(a, *range(1, 6))
+    commit(b, *range(1, 3))
+    stale_b = b.own_record(STREAM)  # b's record before it saved 3, 4 and 5
+    assert stale_b is not None
+    commit(b, *range(3, 6))
+    sync(a, b)
+    assert rp(a) == 5
+    log: list[Fact] = [Declare(make_spec())]
+    log += [Commit(STREAM, 0, "nvme", e) for e in range(1, 6)]
+    log += a.pending_facts  # the high-water marks a made durable
+    restarted = NodeCore("a", 2)
+    restarted.replay(log)
+    assert rp(restarted) == 5
+    # A relay brings back b's old record: it predates what justified the mark, so it
+    # is no evidence that 5 was lost, and no rollback may be reported (S3).
+    restarted.receive([stale_b])
+    assert rp(restarted) == 5
+    restarted.receive(list(b.view))
+    assert rp(restarted) == 5
+    assert restarted.status(STREAM).knowledge is Knowledge.PUBLISHED
+    assert all(not e.rollback for e in restore_events(restarted))
+
+
+# -- records about ourselves ---------------------------------------------------------------
+
+
+def test_a_record_claiming_our_current_incarnation_is_ignored() -> None:
+    n = cluster()
+    a, b = n["a"], n["b"]
+    commit(a, 1, 2)
+    impostor = NodeCore("a", 1)  # another process using a's identity
+    impostor.apply(Declare(make_spec()))
+    commit(impostor, 1, 2, 3, 4, 5, 6)
+    ours = a.own_record(STREAM)
+    assert b.receive(list(impostor.view))  # b cannot tell, and keeps the newer version
+    kept = a.receive(list(b.view))
+    assert [r.origin for r in kept] == ["b"]
+    assert a.own_record(STREAM) == ours
+    assert a.status(STREAM).recoverable == IntervalSet.of(1, 2)
+
+
+def test_our_record_from_a_previous_life_is_kept_but_does_not_drive_our_state() -> None:
+    old = NodeCore("a", 1)
+    old.apply(Declare(make_spec()))
+    commit(old, 1, 2, 3)
+    new = NodeCore("a", 2)
+    kept = new.receive(list(old.view))  # before the job declared the stream again
+    assert [r.incarnation for r in kept] == [1]
+    new.apply(Declare(make_spec()))
+    assert new.status(STREAM).recoverable == IntervalSet()
+    assert new.status(STREAM).proposal is None
+    record = new.own_record(STREAM)
+    assert record is not None
+    assert record.incarnation == 2
 
 
 # -- high-water facts ---------------------------------------------------------------------

@@ -296,7 +296,10 @@ def test_newest_by_domain_drops_a_domain_after_its_epochs_are_retracted() -> Non
 # -- the node: facts reach the published record, refusals change nothing ------------------
 
 
-def declared_node(policy: Policy = Policy.all_of("nvme"), retention: int = 0) -> NodeCore:
+NVME = Policy.all_of("nvme")
+
+
+def declared_node(policy: Policy = NVME, retention: int = 0) -> NodeCore:
     node = NodeCore("a", 1)
     node.apply(Declare(make_spec(policy, retention)))
     return node

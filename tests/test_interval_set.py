@@ -8,6 +8,7 @@ epoch, which is what makes equality structural and the encoding canonical.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -45,7 +46,7 @@ def assert_normal(s: IntervalSet) -> None:
     ranges = s.ranges
     for lo, hi in ranges:
         assert 0 <= lo <= hi <= MAX_EPOCH
-    for (_, hi), (lo, _) in zip(ranges, ranges[1:], strict=False):
+    for (_, hi), (lo, _) in itertools.pairwise(ranges):
         assert lo > hi + 1, f"ranges not separated by a gap: {ranges}"
 
 
@@ -118,6 +119,58 @@ def test_epochs_up_to_max_epoch_are_supported() -> None:
     assert MAX_EPOCH in s
     assert s.at_least(MAX_EPOCH) == IntervalSet.of(MAX_EPOCH)
     assert s.below(MAX_EPOCH) == IntervalSet.span(MAX_EPOCH - 2, MAX_EPOCH - 1)
+
+
+# -- single epochs ------------------------------------------------------------
+
+
+@PROPERTY
+@given(sets(), epochs.filter(lambda e: e >= 0))
+def test_add_matches_adding_to_the_model(pair: Pair, e: int) -> None:
+    s, model = pair
+    assert_models(s.add(e), model | {e})
+
+
+@PROPERTY
+@given(sets(), epochs)
+def test_remove_matches_removing_from_the_model(pair: Pair, e: int) -> None:
+    s, model = pair
+    assert_models(s.remove(e), model - {e})
+
+
+@PROPERTY
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 40)), max_size=60))
+def test_a_run_of_adds_and_removes_matches_the_model(steps: list[tuple[bool, int]]) -> None:
+    s, model = IntervalSet(), set()
+    for adding, e in steps:
+        s = s.add(e) if adding else s.remove(e)
+        if adding:
+            model.add(e)
+        else:
+            model.discard(e)
+        assert_models(s, model)
+
+
+@PROPERTY
+@given(sets(), epochs.filter(lambda e: e >= 0))
+def test_add_and_remove_return_the_same_set_when_nothing_changes(pair: Pair, e: int) -> None:
+    s, model = pair
+    if e in model:
+        assert s.add(e) is s
+    else:
+        assert s.remove(e) is s
+
+
+@pytest.mark.parametrize("bad", [-1, MAX_EPOCH + 1])
+def test_add_rejects_an_epoch_out_of_range(bad: int) -> None:
+    with pytest.raises(ValueError):
+        IntervalSet.of(3).add(bad)
+
+
+def test_add_and_remove_work_at_the_top_of_the_epoch_range() -> None:
+    s = IntervalSet.of(MAX_EPOCH - 1).add(MAX_EPOCH)
+    assert s.ranges == ((MAX_EPOCH - 1, MAX_EPOCH),)
+    assert s.remove(MAX_EPOCH) == IntervalSet.of(MAX_EPOCH - 1)
 
 
 # -- equality and hashing -----------------------------------------------------

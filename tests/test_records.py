@@ -6,9 +6,10 @@ from typing import Any
 
 import msgpack
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from convergenced.core import records as records_module
 from convergenced.core.errors import RemoteProtocolError
 from convergenced.core.interval_set import IntervalSet
 from convergenced.core.records import DIGEST_LEN, Record, RecordKey, View
@@ -16,6 +17,7 @@ from convergenced.core.records import DIGEST_LEN, Record, RecordKey, View
 PROPERTY = settings(max_examples=100, deadline=None)
 SPEC_A = b"A" * 32
 SPEC_B = b"B" * 32
+EMPTY = IntervalSet()
 
 
 def rec(
@@ -24,7 +26,7 @@ def rec(
     version: int = 1,
     *,
     stream: str = "job",
-    recoverable: IntervalSet = IntervalSet(),
+    recoverable: IntervalSet = EMPTY,
     **fields: Any,
 ) -> Record:
     fields.setdefault("spec_digest", SPEC_A)
@@ -233,7 +235,6 @@ def test_equal_stamps_with_different_content_resolve_the_same_in_either_order(
     assert winner.fingerprint == max(x.fingerprint, y.fingerprint)
 
 
-
 def test_records_differing_only_in_signature_resolve_the_same_in_either_order() -> None:
     unsigned = rec(version=2)
     signed = rec(version=2, signature=b"\x07" * 64)
@@ -297,6 +298,58 @@ def test_record_wire_form_round_trips_through_msgpack(r: Record) -> None:
     assert back == r
     assert back.fingerprint == r.fingerprint
     assert back.body_bytes() == r.body_bytes()
+
+
+def test_packed_is_the_msgpack_of_the_wire_form() -> None:
+    r = rec(proposal=4, signature=b"\x05" * 64)
+    assert r.packed() == msgpack.packb(r.to_wire(), use_bin_type=True)
+
+
+_NASTY: list[Any] = [
+    None, -1, 0, 2**63 - 1, 2**63, True, 1.5, "", "x", "bad name", b"", b"A" * 32,
+    b"\x00" * 64, [], [0], [1, 0], [0, 1, 3, 4], [0, 1, 2, 3], [["nvme", 1]], [[1, []]],
+    [[2, [0, 1]], [1, []]], [["s3", 1], ["nvme", 2]], [["nvme", -1]], [[0, [5]]], {},
+    "a\n", "x" * 129, "é",
+]  # fmt: skip
+
+
+@st.composite
+def damaged_wire(draw: st.DrawFn) -> Any:
+    """A record's wire form with a few fields (or elements inside them) replaced."""
+    wire: list[Any] = draw(records()).to_wire()
+    for _ in range(draw(st.integers(0, 3))):
+        i = draw(st.integers(0, len(wire) - 1))
+        if isinstance(wire[i], list) and wire[i] and draw(st.booleans()):
+            inner = list(wire[i])
+            inner[draw(st.integers(0, len(inner) - 1))] = draw(st.sampled_from(_NASTY))
+            wire[i] = inner
+        else:
+            wire[i] = draw(st.sampled_from(_NASTY))
+    return draw(st.sampled_from([wire, wire[:-1], [*wire, None], wire]))
+
+
+def _decode(obj: Any, *, strict_only: bool = False) -> Record | RemoteProtocolError:
+    with pytest.MonkeyPatch.context() as mp:
+        if strict_only:
+            mp.setattr(records_module, "_from_wire_fast", lambda _obj: None)
+        try:
+            return Record.from_wire(obj, "r")
+        except RemoteProtocolError as err:
+            return err
+
+
+@PROPERTY
+@given(damaged_wire())
+def test_fast_decoding_accepts_exactly_what_strict_decoding_accepts(wire: Any) -> None:
+    # The fast path is an optimisation: it must never accept what the strict path
+    # refuses, nor return a different record.
+    strict, decoded = _decode(wire, strict_only=True), _decode(wire)
+    event("accepted" if isinstance(strict, Record) else "refused")
+    if isinstance(strict, Record):
+        assert decoded == strict
+    else:
+        assert isinstance(decoded, RemoteProtocolError)
+        assert str(decoded) == str(strict)
 
 
 def test_wire_form_is_the_body_then_the_signature() -> None:
