@@ -17,8 +17,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff check convergenced tests benchmarks
-	$(BIN)/ruff format --check convergenced tests benchmarks
+	$(BIN)/ruff check convergenced tests benchmarks proto
+	$(BIN)/ruff format --check convergenced tests benchmarks proto
 
 typecheck: $(STAMP)
 	$(BIN)/mypy convergenced
