@@ -26,6 +26,7 @@ from convergenced.core.node import (
     RestorePointChanged,
     SpecConflictDetected,
 )
+from convergenced.core.records import Record
 from convergenced.core.spec import Policy, StreamSpec
 
 STREAM = "job"
@@ -918,3 +919,36 @@ def test_a_conflicting_member_record_gives_no_gc_horizon() -> None:
     send(b2, n["a"])
     assert n["a"].status(STREAM).gc_horizon is None
     assert n["a"].safe_to_delete(STREAM) == IntervalSet()
+
+
+def test_published_recoverable_set_is_cut_to_the_wire_limit_newest_first() -> None:
+    from convergenced.core.records import MAX_RANGES
+
+    spec = StreamSpec.create("sparse", {"a": [0], "b": [1]}, Policy.all_of("nvme"))
+    node = NodeCore("a", 1)
+    node.apply(Declare(spec))
+    for k in range(MAX_RANGES + 10):
+        node.apply(Commit("sparse", 0, "nvme", 100 * k))  # every 100th step: one range each
+    rec = node.own_record("sparse")
+    assert rec is not None
+    assert len(rec.recoverable.ranges) == MAX_RANGES
+    assert rec.recoverable.max() == 100 * (MAX_RANGES + 9)
+    assert 0 not in rec.recoverable
+    # ... so a peer accepts it off the wire.
+    Record.from_wire(rec.to_wire(), "rec")
+
+
+def test_evicting_an_old_generation_closes_it_instead_of_refreezing() -> None:
+    from convergenced.core.node import GenerationClosedError
+    from convergenced.core.records import MAX_GENERATIONS
+
+    spec = StreamSpec.create("gens", {"a": [0], "b": [1]}, Policy.all_of("nvme"))
+    node = NodeCore("a", 1)
+    node.apply(Declare(spec))
+    node.apply(Commit("gens", 0, "nvme", 1))
+    for g in range(1, MAX_GENERATIONS + 2):
+        fact = node.freeze_fact("gens", g)
+        assert fact is not None
+        node.apply(fact)
+    with pytest.raises(GenerationClosedError):
+        node.freeze_fact("gens", 1)

@@ -114,6 +114,12 @@ class IntervalSet:
             best = min(hi, bound)
         return best
 
+    def newest_ranges(self, limit: int) -> IntervalSet:
+        """The set cut to its ``limit`` newest ranges (itself when it has no more)."""
+        if len(self._ranges) <= limit:
+            return self
+        return IntervalSet._from_normal(self._ranges[len(self._ranges) - limit :])
+
     # -- single epochs (the commit path) --------------------------------------
 
     def add(self, epoch: int) -> IntervalSet:

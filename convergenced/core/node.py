@@ -37,7 +37,7 @@ from convergenced.core.facts import (
     StreamFacts,
 )
 from convergenced.core.interval_set import IntervalSet
-from convergenced.core.records import MAX_GENERATIONS, Record, View
+from convergenced.core.records import MAX_GENERATIONS, MAX_RANGES, Record, View
 from convergenced.core.spec import StreamSpec
 
 # -- events -------------------------------------------------------------------
@@ -190,7 +190,10 @@ class NodeCore:
         elif isinstance(fact, Freeze):
             st.facts.frozen.setdefault(fact.generation, fact.epochs)
             while len(st.facts.frozen) > MAX_GENERATIONS:
-                del st.facts.frozen[min(st.facts.frozen)]
+                # Evicting closes it: re-freezing it later could give another set.
+                evicted = min(st.facts.frozen)
+                del st.facts.frozen[evicted]
+                st.facts.closed_below = max(st.facts.closed_below, evicted + 1)
         elif isinstance(fact, HighWater):
             hw = st.facts.high_water
             if hw is None or fact.epoch >= hw:
@@ -239,7 +242,7 @@ class NodeCore:
             raise GenerationClosedError(stream, generation, st.facts.closed_below)
         if generation in st.facts.frozen:
             return None
-        epochs = st.facts.recoverable
+        epochs = st.facts.recoverable.newest_ranges(MAX_RANGES)
         hw = st.facts.high_water
         if hw is not None:
             epochs = epochs.at_least(hw - st.facts.spec.retention)
@@ -401,12 +404,13 @@ class NodeCore:
         st = self._streams[name]
         f = st.facts
         prev = st.decision
+        recoverable = f.recoverable.newest_ranges(MAX_RANGES)
         # With no restore point (after a restart, or after losing it) the high-water
         # mark stands in for it: it was valid, and starting from it keeps S3 across
         # crashes and reports a lower point as the rollback it is.
         previous = prev.restore_point if prev is not None else None
         d = st.agreement.decide(
-            f.recoverable,
+            recoverable,
             previous if previous is not None else f.high_water,
             prev.proposal if prev else None,
             f.high_water,
@@ -435,11 +439,15 @@ class NodeCore:
         assert d is not None
         newest = tuple(sorted(f.newest_by_domain().items()))
         gens = self._own_generations(st)
+        # A record carries at most MAX_RANGES ranges, which peers enforce: the oldest
+        # go first. Publishing fewer epochs only shrinks the convergence interval,
+        # which can delay agreement but never make it wrong (S1).
+        recoverable = f.recoverable.newest_ranges(MAX_RANGES)
         old = self.view.get((f.spec.name, self.node_id))
         if (
             old is not None
             and old.incarnation == self.incarnation
-            and old.recoverable == f.recoverable
+            and old.recoverable == recoverable
             and old.newest == newest
             and old.proposal == d.proposal
             and old.restore_point == d.restore_point
@@ -454,7 +462,7 @@ class NodeCore:
             incarnation=self.incarnation,
             version=self._version,
             spec_digest=st.agreement.digest,
-            recoverable=f.recoverable,
+            recoverable=recoverable,
             newest=newest,
             proposal=d.proposal,
             restore_point=d.restore_point,

@@ -744,7 +744,9 @@ class Simulation:
             return
         marker = min(max(s) for s in saved)
         self.result.marker_samples += 1
-        if marker not in self.truth.convergence():
+        # The same yardstick as S1 for convergenced: committed by every rank of
+        # every member and never deleted (losses count against neither).
+        if not self.truth.valid(marker):
             self.result.marker_invalid += 1
         for nid in self.ids:
             core = self.nodes[nid].core
