@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import multiprocessing
 import os
 import random
@@ -16,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from convergenced.sim.workload import lattice_fraction
-from convergenced.sim.world import FAULTS, Result, SimConfig, Simulation
+from convergenced.sim.world import FAULTS, Result, SimConfig, Simulation, liveness_bound
 
 LATTICE_DOMAINS = (1, 2, 3, 4, 6, 8)
 
@@ -257,7 +256,7 @@ def command(args: argparse.Namespace) -> int:
     result = summary.to_json()
     result["nodes"] = args.nodes
     result["faults"] = sorted(args.faults)
-    result["rounds_bound"] = rounds_bound(args.nodes)
+    result["rounds_bound"] = liveness_bound(args.nodes)
     if not args.no_lattice:
         result["lattice"] = lattice_table(args.nodes, args.ranks, args.seed)
     if args.json:
@@ -265,11 +264,6 @@ def command(args: argparse.Namespace) -> int:
     else:
         _print_human(result)
     return 1 if summary.violations or summary.converged < summary.runs else 0
-
-
-def rounds_bound(nodes: int) -> int:
-    """The liveness bound the issue sets: 2 * ceil(log2 N) handshake rounds."""
-    return 2 * max(1, math.ceil(math.log2(nodes))) if nodes > 1 else 2
 
 
 def _print_human(r: dict[str, Any]) -> None:
