@@ -41,11 +41,22 @@ class Truth:
     retractions: int = 0
     generation_answers: dict[int, int | None] = field(default_factory=dict)
     last_rp: dict[str, int | None] = field(default_factory=dict)
+    _valid_cache: dict[int, bool] = field(default_factory=dict)
+
+    def touch(self) -> None:
+        """Call after changing ``ever`` or ``retired``: cached answers are stale."""
+        self._valid_cache.clear()
 
     def valid(self, epoch: int) -> bool:
         """S1: every rank of every member committed ``epoch`` in domains satisfying the
         policy, and none of those copies was retired. Losses (retractions) do not
         count against validity: they surface as rollbacks (S3)."""
+        cached = self._valid_cache.get(epoch)
+        if cached is None:
+            cached = self._valid_cache[epoch] = self._valid(epoch)
+        return cached
+
+    def _valid(self, epoch: int) -> bool:
         for _, ranks in self.spec.members:
             for r in ranks:
                 hits = [

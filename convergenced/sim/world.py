@@ -74,6 +74,9 @@ class SimConfig:
     mesh_limit: int = DEFAULT_MESH_LIMIT
     compare_marker: bool = False
     check_every_event: bool = True
+    """Re-check S1 on every node's current restore point after every event (on top of
+    the checks made where a restore point, a generation answer or a deletion
+    happens). Skipped past 64 nodes, where it would dominate the run time."""
     workload: bool = True
     """False: only the final commit of the liveness phase (for scale runs)."""
 
@@ -184,6 +187,7 @@ class Simulation:
         self.final_acks = 0
         self.t_final: int | None = None
         self.outstanding = 0
+        self._check_all = cfg.check_every_event and cfg.nodes <= 64
         self._rp_moved = False
         self._want: int | None = None
         self._bytes_at_final = 0
@@ -228,11 +232,25 @@ class Simulation:
             self.now = t
             self.result.events += 1
             fn(*args)
+            if self._check_all:
+                self._check_current_points()
             if until_converged and self._rp_moved and self.t_final is not None:
                 self._rp_moved = False
                 if self._converged():
                     return
         self.now = t_end
+
+    def _check_current_points(self) -> None:
+        truth = self.truth
+        for nid in self.ids:
+            core = self.nodes[nid].core
+            if core is None or STREAM not in core.streams():
+                continue
+            rp = core.restore_point(STREAM)
+            if rp is not None and not truth.valid(rp):
+                raise InvariantViolation(
+                    "S1", f"{nid} holds restore point {rp}, no longer valid in the truth"
+                )
 
     # -- setup ------------------------------------------------------------------
 
@@ -302,6 +320,7 @@ class Simulation:
                     self.truth.check_retire(nid, e, high_water, frozen)
                     self.truth.available[key].discard(e)
                     self.truth.retired[key].add(e)
+                    self.truth.touch()
                     self.trace(f"retire {nid} r{rank} {d.name} {e}")
                     self._persist(
                         nid, Retire(STREAM, rank, d.name, e), self.rng.randint(100, 2_000)
@@ -376,6 +395,7 @@ class Simulation:
         if isinstance(fact, Commit):
             key = (fact.rank, fact.domain)
             self.truth.ever[key].add(fact.epoch)
+            self.truth.touch()
             if fact.epoch not in self.truth.retired[key]:
                 self.truth.available[key].add(fact.epoch)
             if fact.epoch == self.final_epoch:
