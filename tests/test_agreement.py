@@ -952,3 +952,38 @@ def test_evicting_an_old_generation_closes_it_instead_of_refreezing() -> None:
         node.apply(fact)
     with pytest.raises(GenerationClosedError):
         node.freeze_fact("gens", 1)
+
+
+def test_closing_old_generations_survives_a_restart() -> None:
+    from convergenced.core.facts import CloseGenerations
+    from convergenced.core.node import GenerationClosedError
+
+    spec = StreamSpec.create("restart", {"a": [0], "b": [1]}, Policy.all_of("nvme"))
+    a, b = NodeCore("a", 1), NodeCore("b", 1)
+    log: list[Fact] = []
+
+    def apply_a(fact: Fact) -> None:
+        a.apply(fact)
+        log.append(fact)
+
+    apply_a(Declare(spec))
+    b.apply(Declare(spec))
+    apply_a(Commit("restart", 0, "nvme", 1))
+    b.apply(Commit("restart", 1, "nvme", 1))
+    for g in (1, 2):
+        fa, fb = a.freeze_fact("restart", g), b.freeze_fact("restart", g)
+        assert fa is not None and fb is not None
+        apply_a(fa)
+        b.apply(fb)
+    a.receive(list(b.view))
+    assert a.generation("restart", 2).resolved
+    closes = [f for f in a.pending_facts if isinstance(f, CloseGenerations)]
+    assert closes[-1] == CloseGenerations("restart", 2)
+    log.extend(a.pending_facts)
+
+    restarted = NodeCore("a", 2)
+    restarted.replay(log)
+    with pytest.raises(GenerationClosedError):
+        restarted.freeze_fact("restart", 1)
+    with pytest.raises(GenerationClosedError):
+        restarted.generation("restart", 1)

@@ -93,7 +93,20 @@ class HighWater:
     evidence: tuple[tuple[str, int, int], ...] = ()
 
 
-Fact = Declare | Commit | Retract | Retire | Freeze | HighWater
+@dataclass(frozen=True, slots=True)
+class CloseGenerations:
+    """Generations below ``below`` are closed: a newer one resolved.
+
+    Produced by the core. Losing it in a crash is safe (the old generations only
+    protect more epochs for a while), but persisting it keeps a late request for a
+    closed generation from waiting forever on frozen sets peers already dropped.
+    """
+
+    stream: str
+    below: int
+
+
+Fact = Declare | Commit | Retract | Retire | Freeze | HighWater | CloseGenerations
 EpochFact = Commit | Retract | Retire
 
 

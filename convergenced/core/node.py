@@ -12,7 +12,8 @@ publishes changed, merges a new version of its own record into the view, from
 where the links pick it up.
 
 **Durability contract.** When the restore point rises above the high-water mark,
-the core appends a `HighWater` fact to `pending_facts`. The caller must make those
+the core appends a `HighWater` fact to `pending_facts` (and a `CloseGenerations` fact
+when a resolved generation closes older ones). The caller must make those
 durable before it sends any byte produced after they appeared: other nodes delete
 checkpoints on the strength of that mark, so it must survive a crash (see
 `agreement`). The daemon does it with the same group commit as commits; the
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from convergenced.core.agreement import Decision, Knowledge, StreamAgreement
 from convergenced.core.errors import FactError, SpecConflictError, SpecError, UnknownStreamError
 from convergenced.core.facts import (
+    CloseGenerations,
     Commit,
     Declare,
     Fact,
@@ -194,6 +196,8 @@ class NodeCore:
                 evicted = min(st.facts.frozen)
                 del st.facts.frozen[evicted]
                 st.facts.closed_below = max(st.facts.closed_below, evicted + 1)
+        elif isinstance(fact, CloseGenerations):
+            self._close_below(st, fact.below)
         elif isinstance(fact, HighWater):
             hw = st.facts.high_water
             if hw is None or fact.epoch >= hw:
@@ -316,12 +320,17 @@ class NodeCore:
         self.events.append(GenerationResolved(stream, generation, rp))
         # A resolved generation supersedes older ones: they stop protecting epochs.
         if generation > st.facts.closed_below:
-            st.facts.closed_below = generation
-            for g in [g for g in st.facts.frozen if g < generation]:
-                del st.facts.frozen[g]
+            self._close_below(st, generation)
+            self.pending_facts.append(CloseGenerations(stream, generation))
             if st.decision is not None:
                 self._publish(st)
         return GenerationAnswer(generation, True, rp, ())
+
+    @staticmethod
+    def _close_below(st: _Stream, below: int) -> None:
+        st.facts.closed_below = max(st.facts.closed_below, below)
+        for g in [g for g in st.facts.frozen if g < below]:
+            del st.facts.frozen[g]
 
     def status(self, stream: str) -> StreamStatus:
         """A consistent snapshot of ``stream`` as this node sees it."""
