@@ -1,0 +1,1 @@
+"""The daemon's I/O side: durable state now; links, local API and CLI as they land."""
