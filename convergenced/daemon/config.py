@@ -1,0 +1,247 @@
+"""Daemon configuration: a TOML file, validated with errors that name file and key.
+
+Every setting has a default that suits a single GPU host, so a minimal file is::
+
+    node_id = "gpu-node-01"
+
+Unknown keys are errors (a typo must not silently fall back to a default). Every
+error says which file, which key, what was found and what was expected.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from convergenced.core.errors import ConvergencedError
+from convergenced.core.validate import NAME_RE
+
+DEFAULT_PORT = 7946
+DEFAULT_SOCKET = Path("/run/convergenced/convergenced.sock")
+DEFAULT_STATE_DIR = Path("/var/lib/convergenced")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class ConfigError(ConvergencedError):
+    """The configuration file is unreadable or a key holds a bad value."""
+
+    def __init__(self, path: Path | str, key: str, problem: str) -> None:
+        where = f"{path}: {key}" if key else str(path)
+        super().__init__(f"{where}: {problem}")
+        self.path = str(path)
+        self.key = key
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """A node to dial: its id and ``host:port``."""
+
+    node_id: str
+    host: str
+    port: int
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Hard limits; every parser and queue is bounded by one of these."""
+
+    max_frame_bytes: int = 1 << 20
+    max_records_per_message: int = 4096
+    max_streams: int = 1024
+    max_connections: int = 256
+    max_clients: int = 1024
+    client_queue: int = 256
+    """Messages queued for one local client before it counts as stuck."""
+    handshake_timeout_s: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """The whole daemon configuration (see deploy/config/convergenced.toml)."""
+
+    node_id: str
+    cluster: str = "default"
+    listen_host: str = "0.0.0.0"
+    listen_port: int = DEFAULT_PORT
+    peers: tuple[Peer, ...] = ()
+    socket_path: Path = DEFAULT_SOCKET
+    state_dir: Path = DEFAULT_STATE_DIR
+    tick_ms: int = 50
+    """Link timer period; heartbeats and failure detection count these ticks."""
+    idle_ticks: int = 2
+    dead_ticks: int = 20
+    mesh_limit: int = 16
+    log_level: str = "info"
+    limits: Limits = field(default_factory=Limits)
+    source: str = "<defaults>"
+
+
+_TOP = {
+    "node_id", "cluster", "listen", "peers", "socket_path", "state_dir",
+    "tick_ms", "idle_ticks", "dead_ticks", "mesh_limit", "log_level", "limits",
+}  # fmt: skip
+
+
+def load(path: Path | str) -> Config:
+    """Read and validate ``path``.
+
+    Raises:
+        ConfigError: naming the file, the key and what was expected.
+    """
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(path, "", "file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(path, "", f"cannot read: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(path, "", f"not valid TOML: {exc}") from None
+    return parse(raw, str(path))
+
+
+def parse(raw: Mapping[str, Any], source: str = "<config>") -> Config:
+    """Validate an already-parsed TOML document."""
+    v = _Validator(source)
+    v.no_unknown(raw, _TOP, "")
+    node_id = v.name(raw, "node_id", required=True)
+    assert node_id is not None
+    host, port = v.address(raw.get("listen", f"0.0.0.0:{DEFAULT_PORT}"), "listen")
+    peers = v.peers(raw.get("peers", []), node_id)
+    idle = v.integer(raw, "idle_ticks", 2, lo=1, hi=1000)
+    dead = v.integer(raw, "dead_ticks", 20, lo=2, hi=100_000)
+    if dead <= idle:
+        raise ConfigError(source, "dead_ticks", f"{dead} must exceed idle_ticks ({idle})")
+    level = raw.get("log_level", "info")
+    if level not in LOG_LEVELS:
+        raise ConfigError(
+            source, "log_level", f"{level!r}; expected one of {', '.join(LOG_LEVELS)}"
+        )
+    return Config(
+        node_id=node_id,
+        cluster=v.name(raw, "cluster") or "default",
+        listen_host=host,
+        listen_port=port,
+        peers=peers,
+        socket_path=v.path(raw, "socket_path", DEFAULT_SOCKET),
+        state_dir=v.path(raw, "state_dir", DEFAULT_STATE_DIR),
+        tick_ms=v.integer(raw, "tick_ms", 50, lo=1, hi=60_000),
+        idle_ticks=idle,
+        dead_ticks=dead,
+        mesh_limit=v.integer(raw, "mesh_limit", 16, lo=1, hi=100_000),
+        log_level=level,
+        limits=v.limits(raw.get("limits", {})),
+        source=source,
+    )
+
+
+class _Validator:
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, key: str, problem: str) -> ConfigError:
+        return ConfigError(self.source, key, problem)
+
+    def no_unknown(self, table: Mapping[str, Any], known: set[str], prefix: str) -> None:
+        for key in table:
+            if key not in known:
+                raise self.fail(
+                    prefix + key, f"unknown key; expected one of {', '.join(sorted(known))}"
+                )
+
+    def name(self, table: Mapping[str, Any], key: str, *, required: bool = False) -> str | None:
+        if key not in table:
+            if required:
+                raise self.fail(key, "missing; expected a name like 'gpu-node-01'")
+            return None
+        value = table[key]
+        if not isinstance(value, str) or not NAME_RE.match(value):
+            raise self.fail(key, f"{value!r}; expected 1-128 of A-Z a-z 0-9 . _ / - (no spaces)")
+        return value
+
+    def integer(
+        self,
+        table: Mapping[str, Any],
+        key: str,
+        default: int,
+        *,
+        lo: int,
+        hi: int,
+        prefix: str = "",
+    ) -> int:
+        value = table.get(key, default)
+        if type(value) is not int or not lo <= value <= hi:
+            raise self.fail(prefix + key, f"{value!r}; expected an integer from {lo} to {hi}")
+        return value
+
+    def path(self, table: Mapping[str, Any], key: str, default: Path) -> Path:
+        value = table.get(key, str(default))
+        if not isinstance(value, str) or not value.startswith("/"):
+            raise self.fail(key, f"{value!r}; expected an absolute path")
+        return Path(value)
+
+    def address(self, value: Any, key: str) -> tuple[str, int]:
+        if not isinstance(value, str) or ":" not in value:
+            raise self.fail(key, f"{value!r}; expected 'host:port'")
+        host, _, port_s = value.rpartition(":")
+        host = host.strip("[]")
+        if not host or not port_s.isdigit() or not 0 <= int(port_s) <= 65535:
+            raise self.fail(key, f"{value!r}; expected 'host:port' with a port from 0 to 65535")
+        return host, int(port_s)
+
+    def peers(self, value: Any, me: str) -> tuple[Peer, ...]:
+        if not isinstance(value, list):
+            raise self.fail(
+                "peers", "expected an array of tables: [[peers]] id = ..., address = ..."
+            )
+        out: list[Peer] = []
+        seen: set[str] = set()
+        for i, item in enumerate(value):
+            key = f"peers[{i}]"
+            if not isinstance(item, Mapping):
+                raise self.fail(key, "expected a table with id and address")
+            self.no_unknown(item, {"id", "address"}, f"{key}.")
+            node_id = _Validator(self.source).name(
+                {"id": item.get("id")} if "id" in item else {}, "id", required=True
+            )
+            assert node_id is not None
+            if node_id == me:
+                raise self.fail(f"{key}.id", f"{node_id!r} is this node itself")
+            if node_id in seen:
+                raise self.fail(f"{key}.id", f"{node_id!r} is listed twice")
+            seen.add(node_id)
+            host, port = self.address(item.get("address"), f"{key}.address")
+            out.append(Peer(node_id, host, port))
+        return tuple(out)
+
+    def limits(self, value: Any) -> Limits:
+        if not isinstance(value, Mapping):
+            raise self.fail("limits", "expected a table")
+        d = Limits()
+        known = set(Limits.__slots__)
+        self.no_unknown(value, known, "limits.")
+
+        def num(key: str, lo: int, hi: int) -> int:
+            return self.integer(value, key, getattr(d, key), lo=lo, hi=hi, prefix="limits.")
+
+        timeout = value.get("handshake_timeout_s", d.handshake_timeout_s)
+        if (
+            not isinstance(timeout, int | float)
+            or isinstance(timeout, bool)
+            or not 0 < timeout <= 3600
+        ):
+            raise self.fail(
+                "limits.handshake_timeout_s", f"{timeout!r}; expected seconds in (0, 3600]"
+            )
+        return Limits(
+            max_frame_bytes=num("max_frame_bytes", 4096, 64 << 20),
+            max_records_per_message=num("max_records_per_message", 1, 1 << 20),
+            max_streams=num("max_streams", 1, 1 << 20),
+            max_connections=num("max_connections", 1, 1 << 16),
+            max_clients=num("max_clients", 1, 1 << 16),
+            client_queue=num("client_queue", 1, 1 << 20),
+            handshake_timeout_s=float(timeout),
+        )
