@@ -18,9 +18,13 @@ from dataclasses import dataclass
 from convergenced.core.interval_set import IntervalSet
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Summary:
-    """The aggregate of a group of members (a leaf is a group of one)."""
+    """The aggregate of a group of members (a leaf is a group of one).
+
+    Immutable by contract (never assigned after construction); not ``frozen=True``
+    because every tree update builds several and frozen construction is slow.
+    """
 
     missing: int
     recoverable: IntervalSet | None
