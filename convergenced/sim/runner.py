@@ -10,7 +10,7 @@ import random
 import shlex
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -186,24 +186,21 @@ def parse_faults(text: str) -> frozenset[str]:
     return frozenset(names)
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
+def _int_at_least(lo: int, problem: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"{value} {problem}")
+        return value
+
+    return parse
 
 
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must not be negative")
-    return value
+_positive = _int_at_least(1, "must be at least 1")
+_non_negative = _int_at_least(0, "must not be negative")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
