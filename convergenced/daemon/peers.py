@@ -1,0 +1,159 @@
+"""Peer links over TCP: a thin trio adapter around the sans-IO `Link`.
+
+One `PeerSession` per connection. It owns three small tasks, as trio-websocket
+does: a reader (bytes in, `Link.receive_data`), a ticker (the link timer: heartbeat
+and failure detection, counted in ticks by the core), and a waker (the node's view
+changed elsewhere: `Link.poll`). Every path that may have produced bytes ends in
+`_flush`, which first makes the node's pending facts durable (the core's
+durability contract: a high-water mark must be on disk before any record carrying
+it leaves) and then sends, under one lock.
+
+`PeerHub` is what the sessions share: the `NodeCore`, the durability hook, and the
+wake-up of every other session when one of them changed the view.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from convergenced.core.errors import ProtocolError
+from convergenced.core.link import Closed, Link, LinkConfig, RecordsMerged, Role
+from convergenced.core.node import NodeCore
+
+MakeDurable = Callable[[], Awaitable[None]]
+
+
+async def _nothing_to_persist() -> None:
+    return None
+
+
+class PeerHub:
+    """State shared by every peer session of one daemon."""
+
+    def __init__(
+        self,
+        node: NodeCore,
+        link_config: LinkConfig,
+        *,
+        tick_seconds: float,
+        make_durable: MakeDurable = _nothing_to_persist,
+    ) -> None:
+        self.node = node
+        self.link_config = link_config
+        self.tick_seconds = tick_seconds
+        self.make_durable = make_durable
+        self.sessions: set[PeerSession] = set()
+        self.changed = trio.Event()
+        """Set (then replaced) whenever the view changed: wakes `wait_changed`."""
+
+    def view_changed(self, source: PeerSession | None = None) -> None:
+        """Wake every session but ``source`` so it can send the new records."""
+        for session in self.sessions:
+            if session is not source:
+                session.wake()
+        self.changed.set()
+        self.changed = trio.Event()
+
+    async def wait_changed(self) -> None:
+        """Return after the next view change."""
+        await self.changed.wait()
+
+
+class PeerSession:
+    """One live connection to one peer."""
+
+    def __init__(self, hub: PeerHub, stream: trio.abc.Stream, role: Role) -> None:
+        self.hub = hub
+        self.stream = stream
+        self.link = Link(hub.node, role, hub.link_config)
+        self.closed_reason: str | None = None
+        self.error: ProtocolError | None = None
+        self._send_lock = trio.Lock()
+        self._wake = trio.Event()
+        self._nursery: trio.Nursery | None = None
+
+    @property
+    def peer(self) -> str | None:
+        """The peer's node id, once its HELLO arrived."""
+        return self.link.peer
+
+    def wake(self) -> None:
+        """Ask the session to `poll` its link soon."""
+        self._wake.set()
+
+    async def run(self) -> str:
+        """Drive the link until it closes; return why it closed."""
+        self.hub.sessions.add(self)
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                self.link.start()
+                await self._flush()
+                nursery.start_soon(self._reader)
+                nursery.start_soon(self._ticker)
+                nursery.start_soon(self._waker)
+        finally:
+            self.hub.sessions.discard(self)
+            with trio.CancelScope(shield=True):
+                await self.stream.aclose()
+        return self.closed_reason or "closed"
+
+    async def close(self, reason: str = "shutting down") -> None:
+        """Say BYE and end the session."""
+        if not self.link.closed:
+            self.link.close(reason)
+            await self._flush()
+
+    # -- tasks ------------------------------------------------------------------
+
+    async def _reader(self) -> None:
+        while not self.link.closed:
+            try:
+                data = bytes(await self.stream.receive_some(65536))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                data = b""
+            try:
+                self.link.receive_data(data)
+            except ProtocolError as err:
+                self.error = err
+            await self._flush()
+
+    async def _ticker(self) -> None:
+        while not self.link.closed:
+            await trio.sleep(self.hub.tick_seconds)
+            self.link.on_timer()
+            await self._flush()
+
+    async def _waker(self) -> None:
+        while not self.link.closed:
+            await self._wake.wait()
+            self._wake = trio.Event()
+            self.link.poll()
+            await self._flush()
+
+    # -- output -------------------------------------------------------------------
+
+    async def _flush(self) -> None:
+        async with self._send_lock:
+            changed = False
+            while (ev := self.link.next_event()) is not None:
+                if isinstance(ev, RecordsMerged):
+                    changed = True
+                elif isinstance(ev, Closed):
+                    self.closed_reason = ev.reason
+            if self.hub.node.pending_facts:
+                await self.hub.make_durable()
+            data = self.link.data_to_send()
+            if data:
+                try:
+                    await self.stream.send_all(data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    if not self.link.closed:
+                        self.link.receive_data(b"")
+                    self.closed_reason = self.closed_reason or "connection lost"
+            if changed:
+                self.hub.view_changed(source=self)
+            if self.link.closed and self._nursery is not None:
+                self._nursery.cancel_scope.cancel()
