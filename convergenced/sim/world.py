@@ -118,6 +118,8 @@ class _Conn:
         self.inflight: dict[str, deque[tuple[int, bytes]]] = {a: deque(), b: deque()}
         self.slow_until = 0
         self.slow_factor = 1
+        # Bumped when in-flight bytes are re-timed: older delivery events lapse.
+        self.timing = {a: 0, b: 0}
         self.established_at: int | None = None
 
     def other(self, side: str) -> str:
@@ -479,7 +481,7 @@ class Simulation:
             t = max(self.now + lat, conn.last_delivery[dst] + 1)
             conn.last_delivery[dst] = t
             conn.inflight[dst].append((t, data))
-            self.at(t, self._deliver, conn, dst)
+            self.at(t, self._deliver, conn, dst, conn.timing[dst])
         self._drain_events(conn, side)
 
     def _drain_events(self, conn: _Conn, side: str) -> None:
@@ -502,15 +504,15 @@ class Simulation:
             if la.peer is not None and lb.peer is not None:
                 conn.established_at = self.now
 
-    def _deliver(self, conn: _Conn, dst: str) -> None:
-        if not conn.alive or not conn.inflight[dst]:
+    def _deliver(self, conn: _Conn, dst: str, timing: int) -> None:
+        if not conn.alive or not conn.inflight[dst] or timing != conn.timing[dst]:
             return
         node = self.nodes[dst]
         src = conn.other(dst)
         if node.paused_until > self.now or (src, dst) in self.blocked:
             # Held back (TCP keeps order): everything behind it waits too.
             # Look again soon: a heal or the liveness phase may release it early.
-            self.at(self.now + 1_000, self._deliver, conn, dst)
+            self.at(self.now + 1_000, self._deliver, conn, dst, timing)
             return
         _, data = conn.inflight[dst].popleft()
         self.result.bytes += len(data)
@@ -787,8 +789,19 @@ class Simulation:
             node.skew = 1.0
             if node.core is None:
                 self._restart(nid)
-        for conn in self.conns.values():
+        for _, conn in sorted(self.conns.items()):
             conn.slow_until = 0
+            if conn.alive:
+                # Healing a clogged path flushes what it held: bytes still in flight
+                # arrive now, in order, instead of at their clogged delivery times.
+                for dst in (conn.a, conn.b):
+                    conn.timing[dst] += 1
+                    when = self.now
+                    for i, (_, data) in enumerate(conn.inflight[dst]):
+                        when = self.now + self.cfg.latency_us + i
+                        conn.inflight[dst][i] = (when, data)
+                        self.at(when, self._deliver, conn, dst, conn.timing[dst])
+                    conn.last_delivery[dst] = when
         for a, b in self.pairs:
             self.at(self.now, self._connect, a, b)
         self.at(self.now + 1_000, self._await_mesh)
