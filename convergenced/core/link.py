@@ -411,12 +411,7 @@ class Link:
     def _has_deltas(self) -> bool:
         if self._backlog:
             return True
-        known = self._peer_known
-        for rec in self.node.view.changed_since(self._sent_seq):
-            s = known.get(rec.key)
-            if s is None or rec.stamp > s:
-                return True
-        return False
+        return self.node.view.any_changed_since(self._sent_seq, self._peer_known)
 
     def _deltas(self) -> list[Record]:
         """Records the peer lacks as far as we know, within the frame budget."""

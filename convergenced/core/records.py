@@ -381,6 +381,24 @@ class View:
         keys = dict.fromkeys(k for _, k in self._log[lo:])
         return [self._records[k] for k in keys]
 
+    def any_changed_since(self, seq: int, known: dict[RecordKey, tuple[int, int]]) -> bool:
+        """Whether a record changed after ``seq`` is newer than ``known`` says.
+
+        Scans lazily from the newest change backwards and stops at the first hit, so
+        a link that has not sent for a while does not copy the whole log slice.
+        """
+        log = self._log
+        records = self._records
+        for i in range(len(log) - 1, -1, -1):
+            s, key = log[i]
+            if s <= seq:
+                return False
+            rec = records[key]
+            stamp = known.get(key)
+            if stamp is None or rec.stamp > stamp:
+                return True
+        return False
+
     def _compact_log(self) -> None:
         latest: dict[RecordKey, int] = {}
         for s, k in self._log:

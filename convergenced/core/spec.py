@@ -66,6 +66,7 @@ class StreamSpec:
     retention: int
     """Epochs kept below the lowest published restore point (in epoch units)."""
     _digest: bytes = field(default=b"", compare=False, repr=False)
+    _member_ids: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     @classmethod
     def create(
@@ -129,8 +130,10 @@ class StreamSpec:
 
     @property
     def member_ids(self) -> tuple[str, ...]:
-        """Member node ids, sorted."""
-        return tuple(node for node, _ in self.members)
+        """Member node ids, sorted (cached: large clusters ask often)."""
+        if not self._member_ids:
+            object.__setattr__(self, "_member_ids", tuple(node for node, _ in self.members))
+        return self._member_ids
 
     def ranks_of(self, node: str) -> tuple[int, ...]:
         """The ranks ``node`` hosts (empty when it is not a member)."""
