@@ -76,15 +76,9 @@ class StreamAgreement:
         self.fresh_from: dict[str, tuple[int, int]] = {}
         """Per member, the oldest record stamp we may use (see `facts.HighWater`)."""
 
-    def observe(self, record: Record) -> bool:
-        """Take a (winning) record of another member into the aggregate.
-
-        Returns True when a new spec conflict appeared.
-        """
-        return bool(self.observe_many([record]))
-
     def observe_many(self, records: list[Record]) -> list[Record]:
-        """`observe` for a batch (one tree update); returns records with new conflicts."""
+        """Take (winning) records of other members into the aggregate, in one tree
+        update; return the records that brought a new spec conflict."""
         leaves: list[tuple[str, Summary]] = []
         conflicts: list[Record] = []
         for record in records:

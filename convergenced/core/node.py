@@ -226,8 +226,7 @@ class NodeCore:
 
     def _new_stream(self, spec: StreamSpec) -> _Stream:
         st = _Stream(StreamFacts(spec, self.node_id), StreamAgreement(spec, self.node_id))
-        for rec in self.view.stream(spec.name).values():
-            st.agreement.observe(rec)
+        st.agreement.observe_many(list(self.view.stream(spec.name).values()))
         return st
 
     def freeze_fact(self, stream: str, generation: int) -> Freeze | None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import os
 import random
 import shlex
 import sys
@@ -305,8 +304,3 @@ def _print_human(r: dict[str, Any]) -> None:
         for line in f["trace"]:
             print(f"    {line}")
         print(f"  replay: {f['replay']}")
-
-
-def cpu_count() -> int:
-    """CPUs this process may use."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1

@@ -139,6 +139,8 @@ class _Node:
         """Facts waiting for the next group fsync."""
         self.fsync_pending = False
         self.polled_seq = -1
+        self.high_water: int | None = None
+        """The highest durable HighWater fact (kept with `durable`, survives crashes)."""
 
 
 class Simulation:
@@ -286,7 +288,7 @@ class Simulation:
         epoch, times = sched.next_epoch()
         for domain, t in times.items():
             if t < self.cfg.safety_us:
-                self.at(t, self._save, nid, sched.rank, domain, epoch, sched)
+                self.at(t, self._save, nid, sched.rank, domain, epoch)
         first = min(times.values())
         if first < self.cfg.safety_us:
             self.at(first, self._schedule_more, nid, sched, epoch)
@@ -295,8 +297,7 @@ class Simulation:
         if sched.epoch == epoch:
             self._next_save(nid, sched)
 
-    def _save(self, nid: str, rank: int, domain: str, epoch: int, sched: RankSchedule) -> None:
-        _ = sched
+    def _save(self, nid: str, rank: int, domain: str, epoch: int) -> None:
         if self.phase != "safety":
             return
         self._persist(nid, Commit(STREAM, rank, domain, epoch), delay=self.rng.randint(100, 2_000))
@@ -329,11 +330,7 @@ class Simulation:
                     )
 
     def _durable_high_water(self, nid: str) -> int | None:
-        hw = None
-        for f in self.nodes[nid].durable:
-            if isinstance(f, HighWater):
-                hw = f.epoch if hw is None else max(hw, f.epoch)
-        return hw
+        return self.nodes[nid].high_water
 
     def _open_frozen(self, nid: str) -> list[IntervalSet]:
         """Frozen sets of ``nid``'s generations that no newer resolved one closed."""
@@ -418,6 +415,11 @@ class Simulation:
             return
         if core.pending_facts:
             node.durable.extend(core.pending_facts)  # the contract: durable before sends
+            for fact in core.pending_facts:
+                if isinstance(fact, HighWater) and (
+                    node.high_water is None or fact.epoch > node.high_water
+                ):
+                    node.high_water = fact.epoch
             core.pending_facts.clear()
         events, core.events = core.events, []
         for ev in events:
