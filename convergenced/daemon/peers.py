@@ -4,9 +4,9 @@ One `PeerSession` per connection. It owns three small tasks, as trio-websocket
 does: a reader (bytes in, `Link.receive_data`), a ticker (the link timer: heartbeat
 and failure detection, counted in ticks by the core), and a waker (the node's view
 changed elsewhere: `Link.poll`). Every path that may have produced bytes ends in
-`_flush`, which first makes the node's pending facts durable (the core's
-durability contract: a high-water mark must be on disk before any record carrying
-it leaves) and then sends, under one lock.
+`_flush`, which first makes everything the node applied durable (the core's
+durability contract: a fact or high-water mark must be on disk before any record
+carrying it leaves) and then sends, under one lock.
 
 `PeerHub` is what the sessions share: the `NodeCore`, the durability hook, and the
 wake-up of every other session when one of them changed the view.
@@ -15,6 +15,7 @@ wake-up of every other session when one of them changed the view.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 
 import trio
 
@@ -64,10 +65,23 @@ class PeerHub:
 class PeerSession:
     """One live connection to one peer."""
 
-    def __init__(self, hub: PeerHub, stream: trio.abc.Stream, role: Role) -> None:
+    def __init__(
+        self,
+        hub: PeerHub,
+        stream: trio.abc.Stream,
+        role: Role,
+        *,
+        expected_peer: str | None = None,
+        address: str = "",
+    ) -> None:
         self.hub = hub
         self.stream = stream
-        self.link = Link(hub.node, role, hub.link_config)
+        self.address = address
+        """Where the peer is (for status and logs)."""
+        config = hub.link_config
+        if expected_peer is not None:
+            config = replace(config, expected_peer=expected_peer)
+        self.link = Link(hub.node, role, config)
         self.closed_reason: str | None = None
         self.error: ProtocolError | None = None
         self._send_lock = trio.Lock()
@@ -143,8 +157,9 @@ class PeerSession:
                     changed = True
                 elif isinstance(ev, Closed):
                     self.closed_reason = ev.reason
-            if self.hub.node.pending_facts:
-                await self.hub.make_durable()
+            # Nothing leaves before everything applied so far is durable (a no-op
+            # when nothing is pending): see `convergenced.daemon.journal`.
+            await self.hub.make_durable()
             data = self.link.data_to_send()
             if data:
                 try:

@@ -197,15 +197,27 @@ class WriteAheadLog:
 
     def sync(self) -> None:
         """Write and fsync everything appended so far (one group commit)."""
-        if not self._pending:
-            return
+        self.write_durably(self.take_pending())
+
+    def take_pending(self) -> bytes:
+        """Detach the appended bytes, for `write_durably` in another thread.
+
+        Splitting `sync` in two lets the event loop keep appending (the next group)
+        while a worker thread waits for the disk.
+        """
         data = bytes(self._pending)
+        self._pending.clear()
+        return data
+
+    def write_durably(self, data: bytes) -> None:
+        """Write ``data`` (from `take_pending`) and fsync; blocking."""
+        if not data:
+            return
         view = memoryview(data)
         while view:
             written = os.write(self._fd, view)
             view = view[written:]
         os.fsync(self._fd)
-        self._pending.clear()
         self.synced_bytes += len(data)
         self.syncs += 1
 

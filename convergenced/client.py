@@ -1,0 +1,415 @@
+"""Clients of the local daemon, for training code and tools.
+
+`Client` is blocking and needs nothing but the standard library and msgpack: use it
+from any training script, any thread. Calls from several threads share one
+connection; a reader thread hands each reply to its caller, so a long `wait` in one
+thread never holds up a `commit` in another.
+
+`AsyncClient` is the same for trio code::
+
+    async with await AsyncClient.connect() as client:
+        await client.commit("job", rank=0, domain="nvme", epoch=120)
+
+Every failed request raises `ApiError` (``kind``, ``reason``, message) from
+`convergenced.core.api`; a daemon that cannot be reached, or that went away,
+raises `DaemonUnreachable`. The socket path defaults to ``$CONVERGENCED_SOCKET`` or
+``/run/convergenced/convergenced.sock``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import socket
+import threading
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import asynccontextmanager, suppress
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from convergenced.core import api
+from convergenced.core.api import ApiError, ErrorKind
+from convergenced.core.errors import ConvergencedError
+from convergenced.core.spec import StreamSpec
+
+if TYPE_CHECKING:  # trio is only needed by AsyncClient users
+    import trio
+
+__all__ = ["ApiError", "AsyncClient", "Client", "DaemonUnreachable", "ErrorKind", "default_socket"]
+
+MAX_REPLY_BYTES = 64 << 20
+"""Replies are bounded too: a state with thousands of members stays well below this."""
+
+
+class DaemonUnreachable(ConvergencedError):
+    """The daemon's socket cannot be reached, or the connection was lost."""
+
+
+def default_socket() -> Path:
+    """``$CONVERGENCED_SOCKET``, else the daemon's default socket path."""
+    env = os.environ.get("CONVERGENCED_SOCKET")
+    return Path(env) if env else Path("/run/convergenced/convergenced.sock")
+
+
+def _spec_wire(spec: StreamSpec | Mapping[str, Any]) -> Any:
+    return spec.to_wire() if isinstance(spec, StreamSpec) else dict(spec)
+
+
+def _result(reply: Mapping[str, Any]) -> Any:
+    if "error" in reply:
+        raise api.error_from_wire(reply["error"])
+    return reply.get("ok", reply.get("event"))
+
+
+_LOST = object()
+
+
+class Client:
+    """Blocking, thread-safe client of the local daemon."""
+
+    def __init__(self, socket_path: Path | str | None = None, *, timeout: float = 10.0) -> None:
+        """Connect to the daemon.
+
+        Args:
+            socket_path: the daemon's socket (default: `default_socket`).
+            timeout: seconds to wait for the connection itself (requests have their own).
+
+        Raises:
+            DaemonUnreachable: nothing listens there, or access is denied.
+        """
+        self.socket_path = Path(socket_path) if socket_path else default_socket()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout)
+        try:
+            self._sock.connect(str(self.socket_path))
+        except OSError as exc:
+            self._sock.close()
+            raise DaemonUnreachable(
+                f"cannot reach the daemon at {self.socket_path}: {exc}"
+            ) from None
+        self._sock.settimeout(None)
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._pending: dict[int, queue.SimpleQueue[Any]] = {}
+        self._lost: str | None = None
+        self._reader = threading.Thread(
+            target=self._read_loop, name="convergenced-client", daemon=True
+        )
+        self._reader.start()
+
+    # -- plumbing -----------------------------------------------------------------
+
+    def _read_loop(self) -> None:
+        reader = api.FrameReader(MAX_REPLY_BYTES)
+        why = "the daemon closed the connection"
+        try:
+            while True:
+                data = self._sock.recv(65536)
+                if not data:
+                    break
+                for reply in reader.feed(data):
+                    rid = reply.get("id") if isinstance(reply, Mapping) else None
+                    with self._lock:
+                        box = self._pending.get(rid) if isinstance(rid, int) else None
+                        orphan = box is None
+                    if box is not None:
+                        box.put(reply)
+                    elif orphan and "error" in reply:
+                        # An error for no request (too many clients, shutting down).
+                        why = str(api.error_from_wire(reply["error"]))
+        except (OSError, ApiError) as exc:
+            why = f"connection lost: {exc}"
+        with self._lock:
+            self._lost = why
+            boxes = list(self._pending.values())
+        for box in boxes:
+            box.put(_LOST)
+
+    def _send(self, op: str, args: dict[str, Any]) -> tuple[int, queue.SimpleQueue[Any]]:
+        box: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        with self._lock:
+            if self._lost is not None:
+                raise DaemonUnreachable(self._lost)
+            rid = next(self._ids)
+            self._pending[rid] = box
+            try:
+                self._sock.sendall(api.encode_frame(api.request(rid, op, **args)))
+            except OSError as exc:
+                del self._pending[rid]
+                raise DaemonUnreachable(f"cannot send to the daemon: {exc}") from None
+        return rid, box
+
+    def _take(self, rid: int, box: queue.SimpleQueue[Any]) -> Any:
+        reply = box.get()
+        if reply is _LOST:
+            with self._lock:
+                self._pending.pop(rid, None)
+                raise DaemonUnreachable(self._lost or "connection lost")
+        return reply
+
+    def call(self, op: str, **args: Any) -> Any:
+        """Send one request and return its result (raises `ApiError` on an error reply)."""
+        rid, box = self._send(op, args)
+        try:
+            return _result(self._take(rid, box))
+        finally:
+            with self._lock:
+                self._pending.pop(rid, None)
+
+    def close(self) -> None:
+        """Close the connection (pending calls raise `DaemonUnreachable`)."""
+        with suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # -- operations ----------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """Daemon identity, links, peers, clients, counters."""
+        return dict(self.call("status"))
+
+    def streams(self) -> list[str]:
+        """Streams declared on this node."""
+        return list(self.call("streams"))
+
+    def declare(self, spec: StreamSpec | Mapping[str, Any]) -> dict[str, Any]:
+        """Declare a stream (idempotent; a different spec under the same name is refused)."""
+        return dict(self.call("declare", spec=_spec_wire(spec)))
+
+    def commit(
+        self, stream: str, rank: int, domain: str, epoch: int, *, digest: str = "", size: int = 0
+    ) -> dict[str, Any]:
+        """Report ``epoch`` durable in ``domain`` for ``rank``; returns once logged durably."""
+        return dict(
+            self.call(
+                "commit",
+                stream=stream,
+                rank=rank,
+                domain=domain,
+                epoch=epoch,
+                digest=digest,
+                size=size,
+            )
+        )
+
+    def retract(self, stream: str, rank: int, domain: str, epoch: int) -> dict[str, Any]:
+        """Report ``epoch`` lost or corrupt in ``domain`` for ``rank``."""
+        return dict(self.call("retract", stream=stream, rank=rank, domain=domain, epoch=epoch))
+
+    def retire(self, stream: str, rank: int, domain: str, epoch: int) -> dict[str, Any]:
+        """Report ``epoch`` deleted from ``domain`` (only epochs the daemon said are safe)."""
+        return dict(self.call("retire", stream=stream, rank=rank, domain=domain, epoch=epoch))
+
+    def state(self, stream: str) -> dict[str, Any]:
+        """Recoverable set, convergence interval, restore point, GC horizon, skew..."""
+        return dict(self.call("state", stream=stream))
+
+    def wait(self, stream: str, epoch: int, timeout: float | None = None) -> dict[str, Any]:
+        """Block until the restore point reaches ``epoch``; returns the state.
+
+        Raises:
+            ApiError: kind ``timeout`` after ``timeout`` seconds.
+        """
+        return dict(self.call("wait", stream=stream, epoch=epoch, timeout=timeout))
+
+    def restore_point(
+        self, stream: str, generation: int, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """The agreed restore point of recovery generation ``generation``."""
+        return dict(
+            self.call("restore_point", stream=stream, generation=generation, timeout=timeout)
+        )
+
+    def watch(self, stream: str) -> Iterator[dict[str, Any]]:
+        """The state now and after every change; stop iterating (or close) to end it."""
+        rid, box = self._send("watch", {"stream": stream})
+        try:
+            while True:
+                yield dict(_result(self._take(rid, box)))
+        finally:
+            with self._lock:
+                self._pending.pop(rid, None)
+            if self._lost is None:
+                self._forget(rid)
+
+    def _forget(self, rid: int) -> None:
+        # Cancel without waiting for the reply (which then has no taker).
+        with self._lock:
+            try:
+                frame = api.request(next(self._ids), "cancel", target=rid)
+                self._sock.sendall(api.encode_frame(frame))
+            except OSError:
+                pass
+
+
+class AsyncClient:
+    """The trio client: same operations as `Client`, as coroutines."""
+
+    def __init__(self, stream: trio.SocketStream, nursery: trio.Nursery) -> None:
+        import trio
+
+        self._trio = trio
+        self._stream = stream
+        self._nursery = nursery
+        self._ids = itertools.count(1)
+        self._pending: dict[int, trio.MemorySendChannel[Any]] = {}
+        self._send_lock = trio.Lock()
+        self._lost: str | None = None
+
+    @staticmethod
+    @asynccontextmanager
+    async def connect(socket_path: Path | str | None = None) -> AsyncIterator[AsyncClient]:
+        """Connect; the client lives inside the ``async with`` block.
+
+        Raises:
+            DaemonUnreachable: nothing listens there, or access is denied.
+        """
+        import trio
+
+        path = Path(socket_path) if socket_path else default_socket()
+        try:
+            stream = await trio.open_unix_socket(str(path))
+        except OSError as exc:
+            raise DaemonUnreachable(f"cannot reach the daemon at {path}: {exc}") from None
+        async with trio.open_nursery() as nursery:
+            client = AsyncClient(stream, nursery)
+            nursery.start_soon(client._read_loop)
+            try:
+                yield client
+            finally:
+                nursery.cancel_scope.cancel()
+                await stream.aclose()
+
+    async def _read_loop(self) -> None:
+        trio = self._trio
+        reader = api.FrameReader(MAX_REPLY_BYTES)
+        why = "the daemon closed the connection"
+        try:
+            while True:
+                data = await self._stream.receive_some(65536)
+                if not data:
+                    break
+                for reply in reader.feed(data):
+                    rid = reply.get("id") if isinstance(reply, Mapping) else None
+                    ch = self._pending.get(rid) if isinstance(rid, int) else None
+                    if ch is not None:
+                        # Watches may outpace their reader; the daemon bounds it too.
+                        await ch.send(reply)
+                    elif isinstance(reply, Mapping) and "error" in reply:
+                        why = str(api.error_from_wire(reply["error"]))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, ApiError) as exc:
+            why = f"connection lost: {exc}"
+        self._lost = why
+        for ch in list(self._pending.values()):
+            ch.close()
+
+    async def _open(self, op: str, args: dict[str, Any]) -> tuple[int, Any]:
+        trio = self._trio
+        if self._lost is not None:
+            raise DaemonUnreachable(self._lost)
+        rid = next(self._ids)
+        send, recv = trio.open_memory_channel[Any](64)
+        self._pending[rid] = send
+        try:
+            async with self._send_lock:
+                await self._stream.send_all(api.encode_frame(api.request(rid, op, **args)))
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            del self._pending[rid]
+            raise DaemonUnreachable(f"cannot send to the daemon: {exc}") from None
+        return rid, recv
+
+    async def _next(self, recv: Any) -> Any:
+        try:
+            return await recv.receive()
+        except self._trio.EndOfChannel:
+            raise DaemonUnreachable(self._lost or "connection lost") from None
+
+    async def call(self, op: str, **args: Any) -> Any:
+        """Send one request and return its result (raises `ApiError` on an error reply)."""
+        rid, recv = await self._open(op, args)
+        try:
+            return _result(await self._next(recv))
+        finally:
+            self._pending.pop(rid, None)
+
+    async def status(self) -> dict[str, Any]:
+        """See `Client.status`."""
+        return dict(await self.call("status"))
+
+    async def streams(self) -> list[str]:
+        """See `Client.streams`."""
+        return list(await self.call("streams"))
+
+    async def declare(self, spec: StreamSpec | Mapping[str, Any]) -> dict[str, Any]:
+        """See `Client.declare`."""
+        return dict(await self.call("declare", spec=_spec_wire(spec)))
+
+    async def commit(
+        self, stream: str, rank: int, domain: str, epoch: int, *, digest: str = "", size: int = 0
+    ) -> dict[str, Any]:
+        """See `Client.commit`."""
+        return dict(
+            await self.call(
+                "commit",
+                stream=stream,
+                rank=rank,
+                domain=domain,
+                epoch=epoch,
+                digest=digest,
+                size=size,
+            )
+        )
+
+    async def retract(self, stream: str, rank: int, domain: str, epoch: int) -> dict[str, Any]:
+        """See `Client.retract`."""
+        return dict(
+            await self.call("retract", stream=stream, rank=rank, domain=domain, epoch=epoch)
+        )
+
+    async def retire(self, stream: str, rank: int, domain: str, epoch: int) -> dict[str, Any]:
+        """See `Client.retire`."""
+        return dict(await self.call("retire", stream=stream, rank=rank, domain=domain, epoch=epoch))
+
+    async def state(self, stream: str) -> dict[str, Any]:
+        """See `Client.state`."""
+        return dict(await self.call("state", stream=stream))
+
+    async def wait(self, stream: str, epoch: int, timeout: float | None = None) -> dict[str, Any]:
+        """See `Client.wait`."""
+        return dict(await self.call("wait", stream=stream, epoch=epoch, timeout=timeout))
+
+    async def restore_point(
+        self, stream: str, generation: int, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """See `Client.restore_point`."""
+        return dict(
+            await self.call("restore_point", stream=stream, generation=generation, timeout=timeout)
+        )
+
+    async def watch(self, stream: str) -> AsyncIterator[dict[str, Any]]:
+        """See `Client.watch`."""
+        rid, recv = await self._open("watch", {"stream": stream})
+        try:
+            while True:
+                yield dict(_result(await self._next(recv)))
+        finally:
+            self._pending.pop(rid, None)
+            if self._lost is None:
+                # Cancel without waiting for the reply (which then has no taker).
+                frame = api.encode_frame(api.request(next(self._ids), "cancel", target=rid))
+                with self._trio.CancelScope(shield=True):
+                    try:
+                        async with self._send_lock:
+                            await self._stream.send_all(frame)
+                    except (self._trio.BrokenResourceError, self._trio.ClosedResourceError):
+                        pass

@@ -1,0 +1,368 @@
+"""The local API codec: what training processes and `convergencectl` say to their daemon.
+
+Sans-IO, shared by the daemon (trio) and the clients (plain sockets or trio). The
+full description, with examples, is in ``proto/PROTOCOL.md`` ("Local API").
+
+**Framing.** Each message is a big-endian ``u32`` length followed by that many bytes
+of msgpack holding one map. A length above the reader's limit is refused before any
+byte of the body is buffered.
+
+**Requests** are ``{"id": uint, "op": str, "args": map}``. The id is the client's
+choice; replies carry it back, so one connection can have many requests in flight.
+
+**Replies** are one of::
+
+    {"id": 7, "ok": <result>}
+    {"id": 7, "error": {"kind": "rejected", "reason": "unknown_stream", "message": "..."}}
+    {"id": 7, "event": <result>}        # watch only: one per change, until cancelled
+
+The error ``kind`` says whose move it is (`ErrorKind`); ``reason`` is a short stable
+label (the same the daemon counts in its metrics); ``message`` is for humans and
+names the offending field.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import msgpack
+
+from convergenced.core.errors import ConvergencedError, RemoteProtocolError, SpecError
+from convergenced.core.facts import Commit, Declare, Retire, Retract
+from convergenced.core.interval_set import IntervalSet
+from convergenced.core.node import GenerationAnswer, StreamStatus
+from convergenced.core.spec import StreamSpec
+from convergenced.core.validate import INT64_MAX, as_int, as_map, as_name, as_str
+
+LENGTH = struct.Struct(">I")
+DEFAULT_MAX_FRAME = 1 << 20
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+MAX_DIGEST_CHARS = 256
+
+
+class ErrorKind(StrEnum):
+    """Whose move it is after an error."""
+
+    BAD_REQUEST = "bad_request"
+    """The request is malformed: fix the caller."""
+    REJECTED = "rejected"
+    """Well-formed but refused by the rules (unknown stream, spec conflict, retired
+    epoch...). Nothing changed."""
+    TIMEOUT = "timeout"
+    """A wait ran out of time; nothing changed, ask again."""
+    UNAVAILABLE = "unavailable"
+    """The daemon cannot serve this now (shutting down, too many clients, too slow)."""
+    INTERNAL = "internal"
+    """A bug in the daemon; the message says what failed."""
+
+
+class ApiError(ConvergencedError):
+    """An error reply: raised by the daemon's handlers, re-raised by the clients."""
+
+    def __init__(self, kind: ErrorKind, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.reason = reason
+        self.request_id: int | None = None
+        """The id of the request that failed, when it could be read."""
+
+    def to_wire(self) -> dict[str, str]:
+        """The ``error`` map of a reply."""
+        return {"kind": self.kind.value, "reason": self.reason, "message": str(self)}
+
+
+def bad_request(message: str, reason: str = "bad_request") -> ApiError:
+    """An `ApiError` for a malformed request."""
+    return ApiError(ErrorKind.BAD_REQUEST, reason, message)
+
+
+# -- framing --------------------------------------------------------------------
+
+
+def pack(obj: Any) -> bytes:
+    """msgpack with bin/str kept apart (as the peer wire does)."""
+    return bytes(msgpack.packb(obj, use_bin_type=True))
+
+
+def encode_frame(obj: Any) -> bytes:
+    """One framed message."""
+    body = pack(obj)
+    return LENGTH.pack(len(body)) + body
+
+
+class FrameReader:
+    """Splits a byte stream into decoded messages, with explicit limits.
+
+    Raises `ApiError` (``bad_request``) on an oversized frame or undecodable body;
+    after that the connection cannot be resynchronized and must be closed.
+    """
+
+    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME, *, max_items: int = 65536) -> None:
+        self.max_frame = max_frame
+        self.max_items = max_items
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[Any]:
+        """Add ``data``; return every complete message it finished."""
+        self._buf += data
+        out: list[Any] = []
+        while len(self._buf) >= LENGTH.size:
+            (n,) = LENGTH.unpack_from(self._buf)
+            if n > self.max_frame:
+                raise bad_request(
+                    f"frame of {n} bytes above the limit of {self.max_frame}", "frame_too_large"
+                )
+            if len(self._buf) < LENGTH.size + n:
+                break
+            body = bytes(self._buf[LENGTH.size : LENGTH.size + n])
+            del self._buf[: LENGTH.size + n]
+            out.append(self._unpack(body))
+        return out
+
+    @property
+    def buffered(self) -> int:
+        """Bytes of an incomplete frame held so far."""
+        return len(self._buf)
+
+    def _unpack(self, body: bytes) -> Any:
+        lim = self.max_items
+        try:
+            return msgpack.unpackb(
+                body,
+                raw=False,
+                strict_map_key=True,
+                max_str_len=lim * 16,
+                max_bin_len=lim * 16,
+                max_array_len=lim,
+                max_map_len=lim,
+                max_ext_len=0,
+                object_pairs_hook=_no_duplicate_keys,
+            )
+        except Exception as exc:  # msgpack raises a zoo of types for bad input
+            raise bad_request(f"undecodable frame: {exc}", "undecodable") from None
+
+
+def _no_duplicate_keys(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("duplicate map key")
+    return out
+
+
+# -- requests -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A validated request. ``args`` holds typed values (facts, names, numbers)."""
+
+    id: int
+    op: str
+    args: Mapping[str, Any]
+
+
+def _stream(a: Mapping[Any, Any], p: str) -> dict[str, Any]:
+    return {"stream": as_name(a.get("stream"), f"{p}.stream")}
+
+
+def _epoch_fact(cls: type[Commit] | type[Retract] | type[Retire]) -> Any:
+    def parse(a: Mapping[Any, Any], p: str) -> dict[str, Any]:
+        stream = as_name(a.get("stream"), f"{p}.stream")
+        rank = as_int(a.get("rank"), f"{p}.rank")
+        domain = as_name(a.get("domain"), f"{p}.domain")
+        epoch = as_int(a.get("epoch"), f"{p}.epoch")
+        if cls is Commit:
+            digest = as_str(a.get("digest", ""), f"{p}.digest", max_len=MAX_DIGEST_CHARS)
+            size = as_int(a.get("size", 0), f"{p}.size")
+            return {"fact": Commit(stream, rank, domain, epoch, digest, size)}
+        return {"fact": cls(stream, rank, domain, epoch)}
+
+    return parse
+
+
+def _timeout(a: Mapping[Any, Any], p: str) -> float | None:
+    t = a.get("timeout")
+    if t is None:
+        return None
+    if type(t) not in (int, float) or not 0 <= t <= MAX_TIMEOUT_S:  # NaN fails the range
+        raise bad_request(f"{p}.timeout: {t!r}; expected seconds from 0 to {MAX_TIMEOUT_S:.0f}")
+    return float(t)
+
+
+def _declare(a: Mapping[Any, Any], p: str) -> dict[str, Any]:
+    try:
+        return {"fact": Declare(StreamSpec.from_wire(a.get("spec")))}
+    except SpecError as exc:
+        raise bad_request(f"{p}.{exc}", "bad_spec") from None
+
+
+def _wait(a: Mapping[Any, Any], p: str) -> dict[str, Any]:
+    out = _stream(a, p)
+    out["epoch"] = as_int(a.get("epoch"), f"{p}.epoch")
+    out["timeout"] = _timeout(a, p)
+    return out
+
+
+def _restore_point(a: Mapping[Any, Any], p: str) -> dict[str, Any]:
+    out = _stream(a, p)
+    out["generation"] = as_int(a.get("generation"), f"{p}.generation")
+    out["timeout"] = _timeout(a, p)
+    return out
+
+
+def _cancel(a: Mapping[Any, Any], p: str) -> dict[str, Any]:
+    return {"target": as_int(a.get("target"), f"{p}.target")}
+
+
+def _none(a: Mapping[Any, Any], p: str) -> dict[str, Any]:
+    return {}
+
+
+_OPS: dict[str, tuple[Any, tuple[str, ...]]] = {
+    # op: (parser, allowed argument names)
+    "status": (_none, ()),
+    "streams": (_none, ()),
+    "declare": (_declare, ("spec",)),
+    "commit": (_epoch_fact(Commit), ("stream", "rank", "domain", "epoch", "digest", "size")),
+    "retract": (_epoch_fact(Retract), ("stream", "rank", "domain", "epoch")),
+    "retire": (_epoch_fact(Retire), ("stream", "rank", "domain", "epoch")),
+    "state": (_stream, ("stream",)),
+    "wait": (_wait, ("stream", "epoch", "timeout")),
+    "restore_point": (_restore_point, ("stream", "generation", "timeout")),
+    "watch": (_stream, ("stream",)),
+    "cancel": (_cancel, ("target",)),
+}
+OPS = tuple(_OPS)
+"""Every operation the local API knows."""
+
+
+def parse_request(obj: Any) -> Request:
+    """Validate a decoded request map.
+
+    Raises:
+        ApiError: ``bad_request``, naming the field (``commit.epoch: -1 is negative``).
+            When the id itself was readable, it is in ``ApiError.request_id``.
+    """
+    try:
+        m = as_map(obj, "request", max_len=3)
+        rid = as_int(m.get("id"), "request.id", hi=INT64_MAX)
+    except RemoteProtocolError as exc:
+        raise bad_request(str(exc)) from None
+    try:
+        unknown = sorted(str(k) for k in m if k not in ("id", "op", "args"))
+        if unknown:
+            raise bad_request(f"request: unknown field {unknown[0]!r}")
+        op = as_str(m.get("op"), "request.op", max_len=64)
+        if op not in _OPS:
+            raise bad_request(
+                f"request.op: {op!r} is not an operation; expected one of {', '.join(OPS)}",
+                "unknown_op",
+            )
+        parser, allowed = _OPS[op]
+        args = as_map(m.get("args", {}), f"{op}.args", max_len=16)
+        extra = sorted(str(k) for k in args if k not in allowed)
+        if extra:
+            raise bad_request(f"{op}.args: unknown argument {extra[0]!r}")
+        return Request(rid, op, parser(args, op))
+    except RemoteProtocolError as exc:
+        err = bad_request(str(exc))
+        err.request_id = rid
+        raise err from None
+    except ApiError as err:
+        err.request_id = rid
+        raise
+
+
+def request(rid: int, op: str, **args: Any) -> dict[str, Any]:
+    """Build a request map (clients); ``None`` arguments are left out."""
+    if op not in _OPS:
+        raise ValueError(f"unknown operation {op!r}")
+    return {"id": rid, "op": op, "args": {k: v for k, v in args.items() if v is not None}}
+
+
+# -- replies ----------------------------------------------------------------------
+
+
+def ok(rid: int, result: Any) -> dict[str, Any]:
+    """A success reply."""
+    return {"id": rid, "ok": result}
+
+
+def error(rid: int | None, err: ApiError) -> dict[str, Any]:
+    """An error reply (``id`` nil when the request's id was unreadable)."""
+    return {"id": rid, "error": err.to_wire()}
+
+
+def event(rid: int, result: Any) -> dict[str, Any]:
+    """One watch event."""
+    return {"id": rid, "event": result}
+
+
+def error_from_wire(obj: Any) -> ApiError:
+    """Rebuild the `ApiError` of an error reply (clients)."""
+    if not isinstance(obj, Mapping):
+        return ApiError(ErrorKind.INTERNAL, "bad_reply", f"malformed error reply: {obj!r}")
+    try:
+        kind = ErrorKind(str(obj.get("kind")))
+    except ValueError:
+        kind = ErrorKind.INTERNAL
+    return ApiError(kind, str(obj.get("reason", "")), str(obj.get("message", "")))
+
+
+# -- results ----------------------------------------------------------------------
+
+
+def intervals(s: IntervalSet | None) -> list[list[int]] | None:
+    """An interval set as ``[[lo, hi], ...]`` (inclusive), or nil."""
+    return None if s is None else [[lo, hi] for lo, hi in s.ranges]
+
+
+def status_to_wire(s: StreamStatus) -> dict[str, Any]:
+    """The ``state`` result: everything one stream looks like from this node."""
+    return {
+        "stream": s.stream,
+        "spec": s.spec.to_wire(),
+        "recoverable": intervals(s.recoverable),
+        "convergence": intervals(s.convergence),
+        "proposal": s.proposal,
+        "restore_point": s.restore_point,
+        "knowledge": s.knowledge.name.lower(),
+        "high_water": s.high_water,
+        "rollback_floor": s.rollback_floor,
+        "gc_horizon": s.gc_horizon,
+        "safe_to_delete": intervals(s.safe_to_delete),
+        "missing": list(s.missing),
+        "conflicts": [list(c) for c in s.conflicts],
+        "newest": {m: dict(d) for m, d in s.newest.items()},
+        "skew": s.skew,
+        "domain_skew": domain_skew(s.newest),
+        "generations": list(s.generations),
+    }
+
+
+def domain_skew(newest: Mapping[str, Mapping[str, int]]) -> dict[str, int]:
+    """Per domain, max - min over members of their newest epoch in that domain.
+
+    Only members that reported the domain count; a domain nobody reported is absent.
+    """
+    by_domain: dict[str, list[int]] = {}
+    for domains in newest.values():
+        for d, e in domains.items():
+            by_domain.setdefault(d, []).append(e)
+    return {d: max(es) - min(es) for d, es in sorted(by_domain.items())}
+
+
+def generation_to_wire(stream: str, g: GenerationAnswer) -> dict[str, Any]:
+    """The ``restore_point`` result."""
+    return {
+        "stream": stream,
+        "generation": g.generation,
+        "resolved": g.resolved,
+        "restore_point": g.restore_point,
+        "waiting_for": list(g.waiting_for),
+        "lost": g.lost,
+    }

@@ -1,0 +1,436 @@
+"""The daemon process: assembles the core, the log, the peer links and the local API.
+
+Start-up order matters for the durability promise:
+
+1. lock the state directory (one daemon per directory);
+2. open the write-ahead log, truncating a torn tail, and replay it into a fresh
+   `NodeCore`;
+3. log and fsync the new incarnation *before* any record of it can leave;
+4. bind the peer listener and the local socket, then dial peers.
+
+Shutdown on SIGTERM or SIGINT (`Daemon.stop`): stop accepting, answer in-flight
+requests (state changes run to their acknowledgement, waits and watches end with
+``unavailable``), say BYE on every link, make the log durable, close. SIGHUP
+re-reads the configuration and applies what can change safely (peers, log level),
+naming what it could not.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import structlog
+import trio
+
+from convergenced import __version__
+from convergenced.core.facts import Fact
+from convergenced.core.link import LinkConfig, Role
+from convergenced.core.node import (
+    GenerationResolved,
+    NodeCore,
+    RestorePointChanged,
+    SpecConflictDetected,
+)
+from convergenced.core.overlay import dial_targets
+from convergenced.core.wire import WireLimits
+from convergenced.daemon import config as config_mod
+from convergenced.daemon import logs
+from convergenced.daemon.config import Config, Peer
+from convergenced.daemon.dialer import dial_forever
+from convergenced.daemon.journal import Journal
+from convergenced.daemon.local_api import LocalApiServer, open_unix_listener
+from convergenced.daemon.peers import PeerHub, PeerSession
+from convergenced.daemon.service import Service
+from convergenced.daemon.wal import Incarnation, WriteAheadLog
+
+log = structlog.get_logger("convergenced.daemon")
+
+WAL_NAME = "facts.wal"
+LOCK_NAME = "lock"
+SHUTDOWN_GRACE_S = 5.0
+
+
+class StartupError(Exception):
+    """The daemon cannot start (state directory in use, port taken...)."""
+
+
+@contextmanager
+def _state_lock(state_dir: Path) -> Iterator[None]:
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
+    fd = os.open(state_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o640)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StartupError(
+                f"{state_dir}: another convergenced already uses this state directory"
+            ) from None
+        yield
+    finally:
+        os.close(fd)
+
+
+class Daemon:
+    """One convergenced daemon. `run` serves until `stop` (or a signal)."""
+
+    def __init__(self, config: Config, *, config_path: Path | None = None) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.started_monotonic = time.monotonic()
+        self.node: NodeCore | None = None
+        self.hub: PeerHub | None = None
+        self.api: LocalApiServer | None = None
+        self.journal: Journal | None = None
+        self.peer_port: int | None = None
+        """The TCP port actually bound (useful with ``listen = "127.0.0.1:0"``)."""
+        self.counters: dict[str, int] = {}
+        self._stop = trio.Event()
+        self._stop_reason = ""
+        self._dialers: dict[str, trio.CancelScope] = {}
+        self._nursery: trio.Nursery | None = None
+
+    # -- life cycle ----------------------------------------------------------------
+
+    def stop(self, reason: str = "stop requested") -> None:
+        """Begin a graceful shutdown."""
+        self._stop_reason = self._stop_reason or reason
+        self._stop.set()
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until stopped. ``task_status.started`` fires once listeners are bound.
+
+        Raises:
+            StartupError: the state directory is in use or a listener cannot bind.
+            WalCorruptError: the log is damaged before its end (acknowledged facts at risk).
+        """
+        cfg = self.config
+        with _state_lock(cfg.state_dir):
+            wal, entries, report = WriteAheadLog.open(cfg.state_dir / WAL_NAME)
+            try:
+                await self._serve(wal, entries, report.torn_tail_bytes, report.detail, task_status)
+            finally:
+                wal.close()
+
+    async def _serve(
+        self,
+        wal: WriteAheadLog,
+        entries: list[Any],
+        torn: int,
+        torn_detail: str,
+        task_status: Any,
+    ) -> None:
+        cfg = self.config
+        if torn:
+            log.warning(
+                "write-ahead log had a torn tail; truncated it", bytes=torn, detail=torn_detail
+            )
+        incarnation = 1 + max((e.number for e in entries if isinstance(e, Incarnation)), default=0)
+        node = NodeCore(cfg.node_id, incarnation)
+        node.replay(e for e in entries if not isinstance(e, Incarnation))
+        node.events.clear()
+        self.node = node
+        self.journal = Journal(wal, node)
+        self.journal.record(Incarnation(incarnation))
+        await self.journal.durable()
+        log.info(
+            "starting",
+            version=__version__,
+            incarnation=incarnation,
+            facts=len(entries),
+            streams=len(node.streams()),
+        )
+
+        self.hub = PeerHub(
+            node,
+            self._link_config(cfg),
+            tick_seconds=cfg.tick_ms / 1000,
+            make_durable=self.journal.durable,
+        )
+        service = Service(
+            node,
+            self.journal,
+            self.hub,
+            max_streams=cfg.limits.max_streams,
+            status=self.status,
+            on_fact=self._count_fact,
+        )
+        self.api = LocalApiServer(service, cfg.limits, on_reject=self._count_reject)
+
+        try:
+            peer_listeners = await trio.open_tcp_listeners(cfg.listen_port, host=cfg.listen_host)
+        except OSError as exc:
+            raise StartupError(
+                f"cannot listen for peers on {cfg.listen_host}:{cfg.listen_port}: {exc}"
+            ) from None
+        self.peer_port = int(peer_listeners[0].socket.getsockname()[1])
+        try:
+            unix_listener = await open_unix_listener(cfg.socket_path)
+        except OSError as exc:
+            for listener in peer_listeners:
+                await listener.aclose()
+            raise StartupError(f"cannot listen on {cfg.socket_path}: {exc}") from None
+
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                accept_scope = trio.CancelScope()
+                nursery.start_soon(self._accept, accept_scope, peer_listeners, unix_listener)
+                nursery.start_soon(self._watch_signals)
+                nursery.start_soon(self._drain_events)
+                self._start_dialers(cfg)
+                log.info(
+                    "ready",
+                    peer_port=self.peer_port,
+                    socket=str(cfg.socket_path),
+                    dials=sorted(self._dialers),
+                )
+                task_status.started(self)
+                await self._stop.wait()
+                log.info("stopping", reason=self._stop_reason)
+                accept_scope.cancel()
+                await self._graceful_stop()
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True), suppress(OSError):
+                cfg.socket_path.unlink()
+        log.info("stopped")
+
+    async def _accept(
+        self,
+        scope: trio.CancelScope,
+        peer_listeners: list[trio.SocketListener],
+        unix_listener: trio.SocketListener,
+    ) -> None:
+        assert self.api is not None
+        with scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(trio.serve_listeners, self._accept_peer, peer_listeners)
+                nursery.start_soon(trio.serve_listeners, self.api.handle, [unix_listener])
+
+    async def _accept_peer(self, stream: trio.SocketStream) -> None:
+        assert self.hub is not None
+        if len(self.hub.sessions) >= self.config.limits.max_connections:
+            self._count("peer_connections_refused")
+            await stream.aclose()
+            return
+        try:
+            host, port = stream.socket.getpeername()[:2]
+            address = f"{host}:{port}"
+        except OSError:
+            address = "?"
+        session = PeerSession(self.hub, stream, Role.ACCEPTOR, address=address)
+        reason = await session.run()
+        log.info("link closed", peer=session.peer, address=address, reason=reason)
+
+    async def _graceful_stop(self) -> None:
+        assert self.api is not None and self.hub is not None and self.journal is not None
+        for scope in self._dialers.values():
+            scope.cancel()
+        await self.api.drain(SHUTDOWN_GRACE_S)
+        with trio.move_on_after(1.0):
+            async with trio.open_nursery() as nursery:
+                for session in list(self.hub.sessions):
+                    nursery.start_soon(session.close, "shutting down")
+        await self.journal.durable()
+
+    # -- peers -----------------------------------------------------------------------
+
+    def _link_config(self, cfg: Config) -> LinkConfig:
+        allowed = frozenset([cfg.node_id, *(p.node_id for p in cfg.peers)])
+        return LinkConfig(
+            cluster=cfg.cluster,
+            idle_ticks=cfg.idle_ticks,
+            dead_ticks=cfg.dead_ticks,
+            allowed_peers=allowed,
+            limits=WireLimits(
+                max_frame_bytes=cfg.limits.max_frame_bytes,
+                max_records=cfg.limits.max_records_per_message,
+            ),
+        )
+
+    def dial_plan(self, cfg: Config) -> list[Peer]:
+        """The configured peers this node dials (the overlay decides; see `overlay`)."""
+        ids = [cfg.node_id, *(p.node_id for p in cfg.peers)]
+        targets = set(dial_targets(ids, cfg.node_id, cfg.mesh_limit))
+        return [p for p in cfg.peers if p.node_id in targets]
+
+    def _start_dialers(self, cfg: Config) -> None:
+        assert self._nursery is not None and self.hub is not None
+        wanted = {p.node_id: p for p in self.dial_plan(cfg)}
+        for node_id in list(self._dialers):
+            if node_id not in wanted:
+                self._dialers.pop(node_id).cancel()
+                for session in self.hub.sessions:
+                    if session.peer == node_id:
+                        session.link.close("peer removed from configuration")
+                        session.wake()
+        for node_id, peer in wanted.items():
+            if node_id not in self._dialers:
+                scope = trio.CancelScope()
+                self._dialers[node_id] = scope
+                self._nursery.start_soon(self._dial, scope, peer)
+
+    async def _dial(self, scope: trio.CancelScope, peer: Peer) -> None:
+        assert self.hub is not None
+        with scope:
+            await dial_forever(
+                self.hub,
+                peer,
+                connect_timeout=self.config.limits.handshake_timeout_s,
+                on_reconnect=lambda _: self._count("peer_reconnects"),
+            )
+
+    # -- signals and reload ------------------------------------------------------------
+
+    async def _watch_signals(self) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            async for signum in signals:
+                if signum == signal.SIGHUP:
+                    self.reload()
+                else:
+                    self.stop(signal.Signals(signum).name)
+
+    def reload(self) -> list[str]:
+        """Re-read the configuration file; apply peers and log level.
+
+        Returns the keys that changed but need a restart (also logged).
+        """
+        if self.config_path is None:
+            log.warning("reload ignored: the daemon was not started from a file")
+            return []
+        try:
+            new = config_mod.load(self.config_path)
+        except config_mod.ConfigError as exc:
+            log.error("reload failed; keeping the running configuration", error=str(exc))
+            return []
+        old = self.config
+        fixed = [
+            key
+            for key in (
+                "node_id",
+                "cluster",
+                "listen_host",
+                "listen_port",
+                "socket_path",
+                "state_dir",
+                "tick_ms",
+                "idle_ticks",
+                "dead_ticks",
+                "limits",
+            )
+            if getattr(old, key) != getattr(new, key)
+        ]
+        kept = replace(
+            old,
+            peers=new.peers,
+            mesh_limit=new.mesh_limit,
+            log_level=new.log_level,
+            source=new.source,
+        )
+        self.config = kept
+        if new.log_level != old.log_level:
+            logs.configure(new.log_level, old.node_id)
+        assert self.hub is not None
+        self.hub.link_config = self._link_config(kept)
+        self._start_dialers(kept)
+        log.info(
+            "configuration reloaded",
+            peers=[p.node_id for p in kept.peers],
+            log_level=kept.log_level,
+        )
+        if fixed:
+            log.warning(
+                "these settings need a restart to change; still running the old ones", keys=fixed
+            )
+        return fixed
+
+    # -- events and status ---------------------------------------------------------------
+
+    async def _drain_events(self) -> None:
+        assert self.node is not None and self.hub is not None
+        while True:
+            await self.hub.wait_changed()
+            events, self.node.events = self.node.events, []
+            for ev in events:
+                if isinstance(ev, RestorePointChanged):
+                    if ev.rollback:
+                        self._count("rollbacks")
+                        log.warning(
+                            "restore point rolled back", stream=ev.stream, old=ev.old, new=ev.new
+                        )
+                    else:
+                        log.debug("restore point", stream=ev.stream, old=ev.old, new=ev.new)
+                elif isinstance(ev, SpecConflictDetected):
+                    self._count("spec_conflicts")
+                    log.error(
+                        "member declared a different spec",
+                        stream=ev.stream,
+                        member=ev.member,
+                        digest=ev.digest.hex()[:16],
+                    )
+                elif isinstance(ev, GenerationResolved):
+                    log.info(
+                        "recovery generation resolved",
+                        stream=ev.stream,
+                        generation=ev.generation,
+                        restore_point=ev.restore_point,
+                    )
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
+
+    def _count_fact(self, fact: Fact) -> None:
+        self._count(f"facts_{type(fact).__name__.lower()}")
+
+    def _count_reject(self, reason: str) -> None:
+        self._count(f"api_errors_{reason}")
+
+    def status(self) -> dict[str, Any]:
+        """The ``status`` result of the local API."""
+        assert self.node is not None and self.hub is not None and self.api is not None
+        cfg = self.config
+        links = []
+        for s in sorted(self.hub.sessions, key=lambda s: (s.peer or "", s.address)):
+            links.append(
+                {
+                    "peer": s.peer,
+                    "address": s.address,
+                    "role": s.link.role.value,
+                    "state": s.link.state.value,
+                    "in_sync": s.link.in_sync,
+                    "mutual": s.link.mutual,
+                    "frames_sent": s.link.frames_sent,
+                    "frames_received": s.link.frames_received,
+                }
+            )
+        connected = {entry["peer"] for entry in links}
+        return {
+            "node": cfg.node_id,
+            "cluster": cfg.cluster,
+            "version": __version__,
+            "incarnation": self.node.incarnation,
+            "uptime_s": round(time.monotonic() - self.started_monotonic, 3),
+            "peer_port": self.peer_port,
+            "socket": str(cfg.socket_path),
+            "peers": [
+                {
+                    "id": p.node_id,
+                    "address": f"{p.host}:{p.port}",
+                    "connected": p.node_id in connected,
+                    "dialled": p.node_id in self._dialers,
+                }
+                for p in cfg.peers
+            ],
+            "links": links,
+            "clients": len(self.api.sessions),
+            "streams": self.node.streams(),
+            "counters": dict(sorted(self.counters.items())),
+        }

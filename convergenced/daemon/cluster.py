@@ -1,0 +1,74 @@
+"""`convergenced cluster`: everything needed to run an N-node cluster on loopback.
+
+Writes one configuration file per node (``node-1.toml`` ...), each with its own
+state directory and socket under ``DIR/node-K/`` and every other node as a peer.
+Keys and certificates join them once node identity and mutual TLS land.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from convergenced.daemon import config as config_mod
+
+MAX_UNIX_PATH = 107
+"""sun_path holds 108 bytes including the terminating NUL."""
+
+
+def node_name(i: int) -> str:
+    """The id of the ``i``-th node (1-based)."""
+    return f"node-{i}"
+
+
+def write_cluster(
+    directory: Path, nodes: int, base_port: int, *, cluster: str = "local", tick_ms: int = 50
+) -> list[Path]:
+    """Write the configs; return their paths.
+
+    Raises:
+        ValueError: bad sizes, ports out of range, or a socket path too long.
+    """
+    if not 1 <= nodes <= 4096:
+        raise ValueError(f"--nodes {nodes}: expected 1 to 4096")
+    if not base_port >= 1024 or base_port + nodes - 1 > 65535:
+        raise ValueError(
+            f"--base-port {base_port}: ports {base_port}..{base_port + nodes - 1} "
+            "must lie in 1024..65535"
+        )
+    directory = directory.resolve()
+    paths: list[Path] = []
+    for i in range(1, nodes + 1):
+        sock = directory / node_name(i) / "convergenced.sock"
+        if len(str(sock).encode()) > MAX_UNIX_PATH:
+            raise ValueError(
+                f"{sock}: longer than the {MAX_UNIX_PATH} bytes a Unix socket "
+                "path may have; use a shorter --dir"
+            )
+    directory.mkdir(parents=True, exist_ok=True)
+    for i in range(1, nodes + 1):
+        name = node_name(i)
+        home = directory / name
+        (home / "state").mkdir(parents=True, exist_ok=True)
+        lines = [
+            f"# Node {i} of a {nodes}-node loopback cluster (convergenced cluster).",
+            f'node_id = "{name}"',
+            f'cluster = "{cluster}"',
+            f'listen = "127.0.0.1:{base_port + i - 1}"',
+            f'socket_path = "{home / "convergenced.sock"}"',
+            f'state_dir = "{home / "state"}"',
+            f"tick_ms = {tick_ms}",
+            "",
+        ]
+        for j in range(1, nodes + 1):
+            if j != i:
+                lines += [
+                    "[[peers]]",
+                    f'id = "{node_name(j)}"',
+                    f'address = "127.0.0.1:{base_port + j - 1}"',
+                    "",
+                ]
+        path = directory / f"{name}.toml"
+        path.write_text("\n".join(lines), encoding="utf-8")
+        config_mod.load(path)  # what we write must be what we accept
+        paths.append(path)
+    return paths

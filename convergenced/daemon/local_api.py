@@ -1,0 +1,286 @@
+"""The local API over a Unix socket: one `ClientSession` per connected process.
+
+Each session has a reader (frames in, one task per request, at most
+``limits.client_queue`` in flight, which is also the backpressure on a client that
+sends faster than it is served) and a writer (replies out, from a bounded queue).
+Handlers never wait for the writer: a reply that finds the queue full means the
+client stopped reading, and that client alone is disconnected (``client_too_slow``),
+so one stuck process can never stall the daemon or any other client.
+
+Shutdown (`LocalApiServer.drain`): new requests get ``unavailable``; waits and
+watches are ended with ``unavailable``; requests that change state run to their
+acknowledgement; queued replies are flushed; then the connections close.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+import trio
+
+from convergenced.core import api
+from convergenced.core.api import ApiError, ErrorKind, Request
+from convergenced.daemon.config import Limits
+from convergenced.daemon.service import Service
+
+log = structlog.get_logger("convergenced.api")
+
+WAITING_OPS = frozenset({"wait", "restore_point", "watch"})
+"""Operations that only wait: ended, not awaited, at shutdown."""
+
+
+class LocalApiServer:
+    """Accepts local clients and serves them with a `Service`."""
+
+    def __init__(
+        self,
+        service: Service,
+        limits: Limits,
+        *,
+        on_reject: Callable[[str], None] | None = None,
+    ) -> None:
+        self.service = service
+        self.limits = limits
+        self.on_reject = on_reject
+        """Called with the reason of every error reply (metrics)."""
+        self.sessions: set[ClientSession] = set()
+        self.shutting_down = False
+        self.disconnected_slow = 0
+
+    def rejected(self, reason: str) -> None:
+        """Count one error reply."""
+        if self.on_reject is not None:
+            self.on_reject(reason)
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        """Serve one connection until it closes."""
+        if self.shutting_down or len(self.sessions) >= self.limits.max_clients:
+            why = "shutting down" if self.shutting_down else "too many clients"
+            err = ApiError(ErrorKind.UNAVAILABLE, why.replace(" ", "_"), f"daemon is {why}")
+            self.rejected(err.reason)
+            with trio.move_on_after(1):
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    await stream.send_all(api.encode_frame(api.error(None, err)))
+            await stream.aclose()
+            return
+        session = ClientSession(self, stream)
+        self.sessions.add(session)
+        try:
+            await session.run()
+        finally:
+            self.sessions.discard(session)
+
+    async def drain(self, grace: float) -> None:
+        """Stop serving (see the module docstring); give up after ``grace`` seconds."""
+        self.shutting_down = True
+        for session in list(self.sessions):
+            session.begin_drain()
+        with trio.move_on_after(grace):
+            while self.sessions:
+                await trio.sleep(0.01)
+        for session in list(self.sessions):
+            session.kill()
+
+
+class ClientSession:
+    """One connected client process."""
+
+    def __init__(self, server: LocalApiServer, stream: trio.SocketStream) -> None:
+        self.server = server
+        self.stream = stream
+        limits = server.limits
+        self._send, self._queue = trio.open_memory_channel[bytes](limits.client_queue)
+        self._slots = trio.Semaphore(limits.client_queue)
+        self._inflight: dict[int, tuple[str, trio.CancelScope]] = {}
+        self._nursery: trio.Nursery | None = None
+        self._read_scope = trio.CancelScope()
+        self._idle = trio.Event()
+        self._draining = False
+
+    async def run(self) -> None:
+        """Read, dispatch and write until the client leaves or is disconnected."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._writer)
+                with self._read_scope:
+                    await self._reader()
+                # Let in-flight requests finish, then close the queue so the writer
+                # flushes what is left and ends the session.
+                while self._inflight:
+                    await self._idle.wait()
+                self._send.close()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.stream.aclose()
+
+    def begin_drain(self) -> None:
+        """Shutdown: stop reading, end waits and watches, let the rest finish."""
+        self._draining = True
+        self._read_scope.cancel()
+        for op, scope in list(self._inflight.values()):
+            if op in WAITING_OPS:
+                scope.cancel()
+
+    def kill(self) -> None:
+        """Disconnect now."""
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
+
+    # -- reading ---------------------------------------------------------------
+
+    async def _reader(self) -> None:
+        reader = api.FrameReader(self.server.limits.max_frame_bytes)
+        while True:
+            try:
+                data = await self.stream.receive_some(65536)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+            if not data:
+                return
+            try:
+                objs = reader.feed(data)
+            except ApiError as err:
+                # The byte stream cannot be resynchronized: answer, then hang up.
+                self._fail(None, err)
+                return
+            for obj in objs:
+                await self._dispatch(obj)
+
+    async def _dispatch(self, obj: Any) -> None:
+        try:
+            req = api.parse_request(obj)
+        except ApiError as err:
+            self._fail(err.request_id, err)
+            return
+        if req.id in self._inflight:
+            self._fail(
+                req.id, api.bad_request(f"request id {req.id} is already in flight", "duplicate_id")
+            )
+            return
+        if req.op == "cancel":
+            target = self._inflight.get(req.args["target"])
+            if target is not None:
+                target[1].cancel()
+            self._reply(api.ok(req.id, {"cancelled": target is not None}))
+            return
+        if self.server.shutting_down:
+            self._fail(
+                req.id, ApiError(ErrorKind.UNAVAILABLE, "shutting_down", "daemon is shutting down")
+            )
+            return
+        await self._slots.acquire()
+        scope = trio.CancelScope()
+        self._inflight[req.id] = (req.op, scope)
+        self._idle = trio.Event()
+        assert self._nursery is not None
+        self._nursery.start_soon(self._handle, req, scope)
+
+    # -- handling ----------------------------------------------------------------
+
+    async def _handle(self, req: Request, scope: trio.CancelScope) -> None:
+        try:
+            with scope:
+                try:
+                    result = await self._call(req)
+                    self._reply(api.ok(req.id, result))
+                except ApiError as err:
+                    self._fail(req.id, err)
+                except Exception as exc:  # a bug: answer it, log it, keep serving
+                    log.exception("request failed", op=req.op, request=req.id)
+                    text = f"{type(exc).__name__}: {exc}"
+                    self._fail(req.id, ApiError(ErrorKind.INTERNAL, "internal", text))
+            if scope.cancelled_caught:
+                why = "shutting_down" if self._draining else "cancelled"
+                self._fail(req.id, ApiError(ErrorKind.UNAVAILABLE, why, f"request {req.id} {why}"))
+        finally:
+            self._inflight.pop(req.id, None)
+            self._slots.release()
+            if not self._inflight:
+                self._idle.set()
+
+    async def _call(self, req: Request) -> Any:
+        svc, a = self.server.service, req.args
+        match req.op:
+            case "status":
+                return await svc.status()
+            case "streams":
+                return await svc.streams()
+            case "declare" | "commit" | "retract" | "retire":
+                return await svc.submit(a["fact"])
+            case "state":
+                return await svc.state(a["stream"])
+            case "wait":
+                return await svc.wait(a["stream"], a["epoch"], a["timeout"])
+            case "restore_point":
+                return await svc.restore_point(a["stream"], a["generation"], a["timeout"])
+            case "watch":
+                await svc.watch(a["stream"], lambda ev: self._reply(api.event(req.id, ev)))
+        raise AssertionError(f"unhandled op {req.op}")  # pragma: no cover
+
+    # -- writing -------------------------------------------------------------------
+
+    def _fail(self, rid: int | None, err: ApiError) -> None:
+        self._reply(api.error(rid, err), err.reason)
+
+    def _reply(self, msg: dict[str, Any], reject_reason: str | None = None) -> None:
+        if reject_reason is not None:
+            self.server.rejected(reject_reason)
+        try:
+            self._send.send_nowait(api.encode_frame(msg))
+        except trio.WouldBlock:
+            # The client stopped reading: it alone pays for it.
+            self.server.disconnected_slow += 1
+            self.server.rejected("client_too_slow")
+            log.warning("client too slow; disconnecting", queued=self.server.limits.client_queue)
+            self.kill()
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            pass
+
+    async def _writer(self) -> None:
+        async with self._queue:
+            async for frame in self._queue:
+                try:
+                    await self.stream.send_all(frame)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    self.kill()
+                    return
+        # Queue closed and flushed: the session is over.
+        self.kill()
+
+
+async def open_unix_listener(path: Path, *, backlog: int = 128) -> trio.SocketListener:
+    """Bind the local socket at ``path`` (mode 0660), replacing a stale one.
+
+    Raises:
+        OSError: another daemon is listening there already, or the path is unusable.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() or path.is_symlink():
+        probe = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+        try:
+            await probe.connect(str(path))
+        except OSError:
+            path.unlink()  # nobody answers: a leftover of a dead daemon
+        else:
+            raise OSError(f"{path}: another daemon is already listening on this socket")
+        finally:
+            probe.close()
+    sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+    try:
+        old = os.umask(0o117)
+        try:
+            await sock.bind(str(path))
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o660)
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
+    return trio.SocketListener(sock)
