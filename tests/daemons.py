@@ -1,0 +1,179 @@
+"""Real daemon processes on loopback, for tests and benchmarks.
+
+`LocalCluster` writes the configs with `convergenced cluster`'s own code, starts one
+``convergenced run`` process per node, and gives blocking clients to each. Sockets
+live under a short directory in /tmp (a Unix socket path holds at most 107 bytes,
+which pytest's tmp_path can exceed).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from convergenced.client import Client, DaemonUnreachable
+from convergenced.daemon.cluster import node_name, write_cluster
+
+STREAM_SPEC_POLICY = {"mode": "all", "domains": ["nvme"]}
+
+
+def _ports_free(base: int, n: int) -> bool:
+    for port in range(base, base + n):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+    return True
+
+
+def free_base_port(n: int) -> int:
+    """A base port with ``n`` free consecutive ports after it."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 60000 - n)
+        if _ports_free(base, n):
+            return base
+    raise RuntimeError("no free port range found")
+
+
+class LocalCluster:
+    """N daemon processes on loopback; use as a context manager."""
+
+    def __init__(self, nodes: int, *, tick_ms: int = 20, extra: str = "") -> None:
+        self.n = nodes
+        self.dir = Path(tempfile.mkdtemp(prefix="cvg-", dir="/tmp"))
+        self.base_port = free_base_port(nodes)
+        self.configs = write_cluster(self.dir, nodes, self.base_port, tick_ms=tick_ms)
+        if extra:
+            for path in self.configs:
+                text = path.read_text()
+                head, sep, rest = text.partition("[[peers]]")
+                path.write_text(head + extra + "\n" + sep + rest)
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self._clients: list[Client] = []
+
+    # -- processes ------------------------------------------------------------------
+
+    def name(self, i: int) -> str:
+        """Node id of node ``i`` (1-based)."""
+        return node_name(i)
+
+    def socket_path(self, i: int) -> Path:
+        """Local socket of node ``i``."""
+        return self.dir / node_name(i) / "convergenced.sock"
+
+    def log_path(self, i: int) -> Path:
+        """Where node ``i``'s stderr goes (appended across restarts)."""
+        return self.dir / f"{node_name(i)}.log"
+
+    def start(self, i: int, *, wait: bool = True) -> None:
+        """Start node ``i``; with ``wait``, return once its socket answers."""
+        log = open(self.log_path(i), "ab")  # noqa: SIM115 - handed to the child
+        self.procs[i] = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "convergenced.cli",
+                "run",
+                "--config",
+                str(self.configs[i - 1]),
+                "--log-format",
+                "json",
+            ],
+            stdout=log,
+            stderr=log,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        log.close()
+        if wait:
+            self.wait_ready(i)
+
+    def start_all(self) -> None:
+        """Start every node and wait until each answers."""
+        for i in range(1, self.n + 1):
+            self.start(i, wait=False)
+        for i in range(1, self.n + 1):
+            self.wait_ready(i)
+
+    def wait_ready(self, i: int, timeout: float = 20.0) -> None:
+        """Return once node ``i`` answers ``status``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            proc = self.procs[i]
+            if proc.poll() is not None:
+                raise RuntimeError(f"{node_name(i)} exited with {proc.returncode}:\n{self.log(i)}")
+            try:
+                with Client(self.socket_path(i), timeout=1) as c:
+                    c.status()
+                return
+            except DaemonUnreachable:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{node_name(i)} not ready:\n{self.log(i)}") from None
+                time.sleep(0.02)
+
+    def kill(self, i: int, sig: int = signal.SIGKILL) -> int:
+        """Send ``sig`` to node ``i`` and wait for it to exit; return its exit code."""
+        proc = self.procs[i]
+        proc.send_signal(sig)
+        return proc.wait(timeout=30)
+
+    def log(self, i: int) -> str:
+        """Node ``i``'s log so far."""
+        try:
+            return self.log_path(i).read_text(errors="replace")
+        except OSError:
+            return ""
+
+    # -- clients ----------------------------------------------------------------------
+
+    def client(self, i: int) -> Client:
+        """A new blocking client of node ``i`` (closed with the cluster)."""
+        c = Client(self.socket_path(i))
+        self._clients.append(c)
+        return c
+
+    def spec(self, name: str = "job", retention: int = 0, **policy: Any) -> dict[str, Any]:
+        """A stream spec with one rank per node (node i hosts rank i-1)."""
+        return {
+            "name": name,
+            "members": {node_name(i): [i - 1] for i in range(1, self.n + 1)},
+            "policy": policy or STREAM_SPEC_POLICY,
+            "retention": retention,
+        }
+
+    def close(self) -> None:
+        """Stop every node (SIGTERM, then SIGKILL) and remove the directory."""
+        for c in self._clients:
+            c.close()
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if t is not None:
+            for i in range(1, self.n + 1):
+                sys.stderr.write(f"--- {node_name(i)} log ---\n{self.log(i)[-4000:]}\n")
+        self.close()
