@@ -406,3 +406,75 @@ def _raw(path: Path, body: dict[str, Any]) -> None:
             replies = reader.feed(s.recv(65536))
             if replies:
                 raise api.error_from_wire(replies[0]["error"])
+
+
+# -- signals, reload, start-up errors ------------------------------------------------------
+
+
+def test_sigterm_answers_in_flight_requests_and_exits_cleanly() -> None:
+    with LocalCluster(1) as cluster:
+        cluster.start_all()
+        c = cluster.client(1)
+        c.declare(cluster.spec())
+        errors: list[ApiError] = []
+
+        def waiter() -> None:
+            try:
+                c.wait("job", 100)
+            except ApiError as exc:
+                errors.append(exc)
+
+        t = threading.Thread(target=waiter)
+        t.start()
+        time.sleep(0.2)  # let the wait reach the daemon
+        assert t.is_alive()
+        assert cluster.kill(1, signal.SIGTERM) == 0
+        t.join(timeout=10)
+        assert [(e.kind, e.reason) for e in errors] == [(ErrorKind.UNAVAILABLE, "shutting_down")]
+        assert not cluster.socket_path(1).exists()
+        log = cluster.log(1)
+        assert '"reason": "SIGTERM"' in log and '"event": "stopped"' in log
+
+
+def test_sighup_reloads_peers_and_log_level_and_names_what_needs_a_restart() -> None:
+    with LocalCluster(3) as cluster:
+        cfg = cluster.configs[0]
+        full = cfg.read_text()
+        head, _, _ = full.partition("[[peers]]")
+        node2 = full[full.index("[[peers]]") : full.index("[[peers]]", full.index("[[peers]]") + 1)]
+        cfg.write_text(head + node2)  # node-1 knows node-2 only
+        cluster.start_all()
+        c1 = cluster.client(1)
+        assert [p["id"] for p in c1.status()["peers"]] == ["node-2"]
+        # All peers back, a new log level, and a tick change that needs a restart.
+        cfg.write_text(full.replace("tick_ms = 20", 'tick_ms = 25\nlog_level = "debug"'))
+        cluster.procs[1].send_signal(signal.SIGHUP)
+        _until(
+            lambda: any(p["connected"] for p in c1.status()["peers"] if p["id"] == "node-3"),
+            what="node-3 linked after reload",
+        )
+        log = cluster.log(1)
+        assert "configuration reloaded" in log
+        assert "need a restart" in log and "tick_ms" in log
+        # A broken file on reload is reported and the running configuration kept.
+        cfg.write_text("node_id = 12\n")
+        cluster.procs[1].send_signal(signal.SIGHUP)
+        _until(lambda: "reload failed" in cluster.log(1), what="reload failure logged")
+        assert c1.status()["node"] == "node-1"
+
+
+def test_a_second_daemon_on_the_same_state_directory_refuses_to_start() -> None:
+    import subprocess
+    import sys
+
+    with LocalCluster(1) as cluster:
+        cluster.start_all()
+        proc = subprocess.run(
+            [sys.executable, "-m", "convergenced.cli", "run", "--config", str(cluster.configs[0])],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert proc.returncode == 1
+        assert "another convergenced already uses this state directory" in proc.stderr
+        assert cluster.client(1).status()["node"] == "node-1"  # the first one is unharmed

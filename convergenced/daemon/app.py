@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -209,11 +210,28 @@ class Daemon:
         peer_listeners: list[trio.SocketListener],
         unix_listener: trio.SocketListener,
     ) -> None:
-        assert self.api is not None
+        assert self.api is not None and self._nursery is not None
+        # Connections are handled in the daemon's nursery, not under ``scope``:
+        # cancelling ``scope`` stops accepting, while live sessions drain gracefully.
+        handlers = self._nursery
         with scope:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(trio.serve_listeners, self._accept_peer, peer_listeners)
-                nursery.start_soon(trio.serve_listeners, self.api.handle, [unix_listener])
+                nursery.start_soon(
+                    partial(
+                        trio.serve_listeners,
+                        self._accept_peer,
+                        peer_listeners,
+                        handler_nursery=handlers,
+                    )
+                )
+                nursery.start_soon(
+                    partial(
+                        trio.serve_listeners,
+                        self.api.handle,
+                        [unix_listener],
+                        handler_nursery=handlers,
+                    )
+                )
 
     async def _accept_peer(self, stream: trio.SocketStream) -> None:
         assert self.hub is not None

@@ -196,8 +196,17 @@ class ClientSession:
                     text = f"{type(exc).__name__}: {exc}"
                     self._fail(req.id, ApiError(ErrorKind.INTERNAL, "internal", text))
             if scope.cancelled_caught:
-                why = "shutting_down" if self._draining else "cancelled"
-                self._fail(req.id, ApiError(ErrorKind.UNAVAILABLE, why, f"request {req.id} {why}"))
+                if self._draining:
+                    end = ApiError(
+                        ErrorKind.UNAVAILABLE,
+                        "shutting_down",
+                        "the daemon is shutting down; ask again after it restarts",
+                    )
+                else:
+                    end = ApiError(
+                        ErrorKind.UNAVAILABLE, "cancelled", f"request {req.id} was cancelled"
+                    )
+                self._fail(req.id, end)
         finally:
             self._inflight.pop(req.id, None)
             self._slots.release()
