@@ -67,6 +67,10 @@ class Journal:
                 await self._sync_done.wait()
                 continue
             self._syncing = True
+            # One scheduling round first: every task already runnable (typically the
+            # waiters the previous fsync just released) appends its next fact and
+            # joins this group instead of forcing a tiny group of its own.
+            await trio.lowlevel.checkpoint()
             before, upto = self._durable, self._appended
             data = self.wal.take_pending()
             started = time.monotonic()

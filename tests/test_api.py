@@ -1,0 +1,171 @@
+"""The local API codec: framing limits, request validation that names the field, and
+replies that round-trip into typed errors. Pure functions: no daemon needed."""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from convergenced.core import api
+from convergenced.core.api import ApiError, ErrorKind
+from convergenced.core.facts import Commit, Declare, Retire, Retract
+from convergenced.core.spec import Policy, StreamSpec
+
+SPEC = StreamSpec.create("job", {"a": [0, 1], "b": [2]}, Policy.any_of("nvme", "s3"), 2)
+
+
+def _parse(op: str, **args: Any) -> api.Request:
+    return api.parse_request({"id": 7, "op": op, "args": args})
+
+
+def _bad(obj: Any) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        api.parse_request(obj)
+    assert info.value.kind is ErrorKind.BAD_REQUEST
+    return info.value
+
+
+# -- framing -------------------------------------------------------------------------
+
+
+def test_frames_split_anywhere_come_out_whole() -> None:
+    frames = b"".join(api.encode_frame({"id": i, "op": "status"}) for i in range(50))
+    reader = api.FrameReader()
+    out: list[Any] = []
+    for i in range(len(frames)):  # one byte at a time
+        out.extend(reader.feed(frames[i : i + 1]))
+    assert [m["id"] for m in out] == list(range(50))
+    assert reader.buffered == 0
+
+
+def test_an_oversized_length_is_refused_before_the_body_arrives() -> None:
+    reader = api.FrameReader(max_frame=1024)
+    with pytest.raises(ApiError) as info:
+        reader.feed(struct.pack(">I", 1025))
+    assert info.value.reason == "frame_too_large"
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        (b"\xc1", "reserved byte"),
+        (b"\x82\xa1a\x01\xa1a\x02", "duplicate key"),
+        (b"\xd4\x01\x00", "ext type"),
+        (b"\xdd\xff\xff\xff\xff", "huge array header"),
+        (b"\x91", "truncated array"),
+    ],
+)
+def test_undecodable_bodies_are_typed_errors(body: bytes, why: str) -> None:
+    with pytest.raises(ApiError) as info:
+        api.FrameReader().feed(struct.pack(">I", len(body)) + body)
+    assert info.value.reason == "undecodable", why
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=64))
+def test_garbage_never_escapes_as_anything_but_api_error(data: bytes) -> None:
+    reader = api.FrameReader(max_frame=4096)
+    try:
+        for obj in reader.feed(data):
+            with contextlib.suppress(ApiError):
+                api.parse_request(obj)
+    except ApiError:
+        pass
+
+
+# -- requests ----------------------------------------------------------------------------
+
+
+def test_every_operation_parses_into_typed_arguments() -> None:
+    c = _parse("commit", stream="job", rank=1, domain="nvme", epoch=5, digest="ab", size=9)
+    assert c.args["fact"] == Commit("job", 1, "nvme", 5, "ab", 9)
+    assert _parse("retract", stream="job", rank=1, domain="nvme", epoch=5).args["fact"] == (
+        Retract("job", 1, "nvme", 5)
+    )
+    assert _parse("retire", stream="job", rank=1, domain="nvme", epoch=5).args["fact"] == (
+        Retire("job", 1, "nvme", 5)
+    )
+    assert _parse("declare", spec=SPEC.to_wire()).args["fact"] == Declare(SPEC)
+    assert _parse("wait", stream="job", epoch=3, timeout=1.5).args == {
+        "stream": "job", "epoch": 3, "timeout": 1.5,
+    }  # fmt: skip
+    assert _parse("wait", stream="job", epoch=3).args["timeout"] is None
+    assert _parse("restore_point", stream="job", generation=2).args["generation"] == 2
+    assert _parse("cancel", target=4).args == {"target": 4}
+    for op in ("status", "streams"):
+        assert _parse(op).args == {}
+    assert set(api.OPS) == {
+        "status", "streams", "declare", "commit", "retract", "retire", "state", "wait",
+        "restore_point", "watch", "cancel",
+    }  # fmt: skip
+
+
+_OK = {"stream": "job", "rank": 0, "domain": "nvme", "epoch": 1}
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"epoch": -1}, "commit.epoch: -1 is negative"),
+        ({"epoch": 1.5}, "commit.epoch: expected an integer"),
+        ({"rank": True}, "commit.rank: expected an integer"),
+        ({"stream": "bad name"}, "commit.stream"),
+        ({"epoch": None}, "commit.epoch: expected an integer, got NoneType"),
+        ({"x": 1}, "unknown argument 'x'"),
+        ({"epoch": 2**63}, "above"),
+        ({"digest": "x" * 300}, "commit.digest"),
+    ],
+)
+def test_bad_commit_arguments_name_the_field(change: dict[str, Any], message: str) -> None:
+    args = {**_OK, **change}
+    err = _bad({"id": 3, "op": "commit", "args": args})
+    assert message in str(err)
+    assert err.request_id == 3
+
+
+@pytest.mark.parametrize("timeout", [-1, float("nan"), float("inf"), "5", 1e12])
+def test_bad_timeouts_are_refused(timeout: Any) -> None:
+    err = _bad({"id": 1, "op": "wait", "args": {"stream": "j", "epoch": 1, "timeout": timeout}})
+    assert "wait.timeout" in str(err)
+
+
+def test_malformed_envelopes_are_refused() -> None:
+    assert _bad([1, 2]).request_id is None
+    assert _bad({"op": "status"}).request_id is None
+    assert "unknown field 'x'" in str(_bad({"id": 1, "op": "status", "x": 1}))
+    err = _bad({"id": 1, "op": "launch"})
+    assert err.reason == "unknown_op" and "expected one of" in str(err)
+    err = _bad({"id": 1, "op": "declare", "args": {"spec": {"name": "job"}}})
+    assert err.reason == "bad_spec" and "declare.spec.members: missing" in str(err)
+
+
+def test_request_builder_drops_none_and_refuses_unknown_ops() -> None:
+    assert api.request(1, "wait", stream="j", epoch=2, timeout=None) == {
+        "id": 1, "op": "wait", "args": {"stream": "j", "epoch": 2},
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="unknown operation"):
+        api.request(1, "nope")
+
+
+# -- replies -------------------------------------------------------------------------------
+
+
+def test_error_replies_round_trip_into_typed_errors() -> None:
+    err = ApiError(ErrorKind.REJECTED, "unknown_stream", "stream 'x' is not declared")
+    wire = msgpack.unpackb(api.encode_frame(api.error(5, err))[4:])
+    back = api.error_from_wire(wire["error"])
+    assert (back.kind, back.reason, str(back)) == (err.kind, err.reason, str(err))
+    assert wire["id"] == 5
+    assert api.error_from_wire("junk").kind is ErrorKind.INTERNAL
+    assert api.error_from_wire({"kind": "martian"}).kind is ErrorKind.INTERNAL
+
+
+def test_domain_skew_counts_only_members_that_reported_the_domain() -> None:
+    newest = {"a": {"nvme": 10, "s3": 4}, "b": {"nvme": 7}, "c": {}}
+    assert api.domain_skew(newest) == {"nvme": 3, "s3": 0}
