@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import struct
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -93,17 +94,28 @@ def test_every_operation_parses_into_typed_arguments() -> None:
     )
     assert _parse("declare", spec=SPEC.to_wire()).args["fact"] == Declare(SPEC)
     assert _parse("wait", stream="job", epoch=3, timeout=1.5).args == {
-        "stream": "job", "epoch": 3, "timeout": 1.5,
-    }  # fmt: skip
+        "stream": "job",
+        "epoch": 3,
+        "timeout": 1.5,
+    }
     assert _parse("wait", stream="job", epoch=3).args["timeout"] is None
     assert _parse("restore_point", stream="job", generation=2).args["generation"] == 2
     assert _parse("cancel", target=4).args == {"target": 4}
     for op in ("status", "streams"):
         assert _parse(op).args == {}
     assert set(api.OPS) == {
-        "status", "streams", "declare", "commit", "retract", "retire", "state", "wait",
-        "restore_point", "watch", "cancel",
-    }  # fmt: skip
+        "status",
+        "streams",
+        "declare",
+        "commit",
+        "retract",
+        "retire",
+        "state",
+        "wait",
+        "restore_point",
+        "watch",
+        "cancel",
+    }
 
 
 _OK = {"stream": "job", "rank": 0, "domain": "nvme", "epoch": 1}
@@ -147,8 +159,10 @@ def test_malformed_envelopes_are_refused() -> None:
 
 def test_request_builder_drops_none_and_refuses_unknown_ops() -> None:
     assert api.request(1, "wait", stream="j", epoch=2, timeout=None) == {
-        "id": 1, "op": "wait", "args": {"stream": "j", "epoch": 2},
-    }  # fmt: skip
+        "id": 1,
+        "op": "wait",
+        "args": {"stream": "j", "epoch": 2},
+    }
     with pytest.raises(ValueError, match="unknown operation"):
         api.request(1, "nope")
 
@@ -169,3 +183,17 @@ def test_error_replies_round_trip_into_typed_errors() -> None:
 def test_domain_skew_counts_only_members_that_reported_the_domain() -> None:
     newest = {"a": {"nvme": 10, "s3": 4}, "b": {"nvme": 7}, "c": {}}
     assert api.domain_skew(newest) == {"nvme": 3, "s3": 0}
+
+
+def test_the_worked_example_in_local_api_md_matches_the_codec() -> None:
+    doc = (Path(__file__).parent.parent / "proto" / "LOCAL_API.md").read_text()
+    block = doc.split("## 7. Example", 1)[1].split("```")[1]
+    request_hex, reply_hex = (
+        "".join(part.split()) for part in block.replace("request:", "").split("reply:")
+    )
+    commit = api.request(
+        1, "commit", stream="job", rank=0, domain="nvme", epoch=5, digest="", size=0
+    )
+    assert api.encode_frame(commit).hex() == request_hex
+    reply = api.ok(1, {"stream": "job", "epoch": 5, "durable": True})
+    assert api.encode_frame(reply).hex() == reply_hex
