@@ -99,6 +99,9 @@ def _run(args: argparse.Namespace) -> int:
     except (StartupError, WalCorruptError, OSError) as exc:
         print(f"convergenced: cannot start: {exc}", file=sys.stderr)
         return 1
+    if daemon.fatal is not None:
+        print(f"convergenced: stopped: write-ahead log failed: {daemon.fatal}", file=sys.stderr)
+        return 1
     return 0
 
 

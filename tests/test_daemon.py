@@ -479,3 +479,28 @@ def test_a_second_daemon_on_the_same_state_directory_refuses_to_start() -> None:
         assert proc.returncode == 1
         assert "another convergenced already uses this state directory" in proc.stderr
         assert cluster.client(1).status()["node"] == "node-1"  # the first one is unharmed
+
+
+def test_the_log_is_compacted_as_it_grows_and_replays_after_kill_9() -> None:
+    with LocalCluster(1, extra="wal_compact_bytes = 65536") as cluster:
+        cluster.start_all()
+        c = cluster.client(1)
+        c.declare(cluster.spec(retention=5))
+        for e in range(1, 1501):
+            c.commit("job", 0, "nvme", e)
+        safe = _epochs(c.state("job")["safe_to_delete"])
+        for e in sorted(safe)[:1000]:
+            c.retire("job", 0, "nvme", e)
+        before = c.state("job")
+        assert c.status()["counters"].get("wal_compactions", 0) >= 1
+        wal = cluster.dir / "node-1" / "state" / "facts.wal"
+        assert wal.stat().st_size < 65536 * 2
+        cluster.kill(1, signal.SIGKILL)
+        cluster.start(1)
+        c = cluster.client(1)
+        after = c.state("job")
+        for key in ("recoverable", "restore_point", "high_water", "newest", "safe_to_delete"):
+            assert after[key] == before[key], key
+        with pytest.raises(ApiError) as info:  # retired epochs stay retired
+            c.commit("job", 0, "nvme", min(safe))
+        assert info.value.reason == "retired"

@@ -106,7 +106,24 @@ class CloseGenerations:
     below: int
 
 
-Fact = Declare | Commit | Retract | Retire | Freeze | HighWater | CloseGenerations
+@dataclass(frozen=True, slots=True)
+class RankState:
+    """All that one rank committed, lost and retired in one domain, in compacted form.
+
+    Written only by log compaction, in place of the commits, retractions and
+    retirements it sums up; applying it sets the rank's sets to exactly these. The
+    digests and sizes of the commits it replaces are not kept (the core never reads
+    them).
+    """
+
+    stream: str
+    rank: int
+    domain: str
+    available: IntervalSet
+    retired: IntervalSet
+
+
+Fact = Declare | Commit | Retract | Retire | Freeze | HighWater | CloseGenerations | RankState
 EpochFact = Commit | Retract | Retire
 
 
@@ -123,6 +140,9 @@ class StreamFacts:
     closed_below: int = 0
     """Generations below this number are closed (superseded)."""
     high_water: int | None = None
+    evidence: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Per other member, the newest (incarnation, version) a high-water mark rested on
+    (merged over every `HighWater`; log compaction writes it back as one)."""
     _rank_sets: dict[int, IntervalSet] = field(default_factory=dict)
     _recoverable: IntervalSet = field(default_factory=IntervalSet)
     _ranks: tuple[int, ...] = ()
@@ -144,15 +164,19 @@ class StreamFacts:
 
     # -- validation and application ----------------------------------------
 
-    def check(self, fact: EpochFact) -> None:
-        """Raise `FactError` if ``fact`` cannot be applied; never changes anything."""
-        if fact.rank not in self.ranks:
+    def check_rank(self, rank: int, domain: str) -> None:
+        """Raise `FactError` unless ``rank`` is ours and ``domain`` a valid name."""
+        if rank not in self.ranks:
             raise FactError(
-                f"stream {self.spec.name!r}: rank {fact.rank} is not hosted by {self.node}",
+                f"stream {self.spec.name!r}: rank {rank} is not hosted by {self.node}",
                 reason="unknown_rank",
             )
-        if not isinstance(fact.domain, str) or not NAME_RE.match(fact.domain):
-            raise FactError(f"domain {fact.domain!r} is not a valid name", reason="bad_domain")
+        if not isinstance(domain, str) or not NAME_RE.match(domain):
+            raise FactError(f"domain {domain!r} is not a valid name", reason="bad_domain")
+
+    def check(self, fact: EpochFact) -> None:
+        """Raise `FactError` if ``fact`` cannot be applied; never changes anything."""
+        self.check_rank(fact.rank, fact.domain)
         if type(fact.epoch) is not int or not 0 <= fact.epoch <= MAX_EPOCH:
             raise FactError(f"epoch {fact.epoch!r} is not in [0, 2^63-1]", reason="bad_epoch")
         key = (fact.rank, fact.domain)
@@ -181,6 +205,34 @@ class StreamFacts:
         if fact.domain in self.spec.policy.domains:
             self._recompute_rank(fact.rank)
         return True
+
+    def restore_rank(self, state: RankState) -> None:
+        """Apply a compacted `RankState` (checked first)."""
+        self.check_rank(state.rank, state.domain)
+        key = (state.rank, state.domain)
+        for table, value in ((self.available, state.available), (self.retired, state.retired)):
+            if value:
+                table[key] = value
+            else:
+                table.pop(key, None)
+        self._recompute_newest(state.domain)
+        if state.domain in self.spec.policy.domains:
+            self._recompute_rank(state.rank)
+
+    def compacted(self) -> list[RankState]:
+        """One `RankState` per (rank, domain) with anything to remember."""
+        keys = sorted(set(self.available) | set(self.retired))
+        return [
+            RankState(
+                self.spec.name,
+                rank,
+                domain,
+                self.available.get((rank, domain), EMPTY),
+                self.retired.get((rank, domain), EMPTY),
+            )
+            for rank, domain in keys
+            if self.available.get((rank, domain)) or self.retired.get((rank, domain))
+        ]
 
     # -- derived state -------------------------------------------------------
 

@@ -34,6 +34,7 @@ from convergenced.core.facts import (
     Fact,
     Freeze,
     HighWater,
+    RankState,
     Retire,
     Retract,
     StreamFacts,
@@ -162,6 +163,8 @@ class NodeCore:
             st.facts.check(fact)
         elif isinstance(fact, Freeze) and fact.generation < st.facts.closed_below:
             raise GenerationClosedError(fact.stream, fact.generation, st.facts.closed_below)
+        elif isinstance(fact, RankState):
+            st.facts.check_rank(fact.rank, fact.domain)
 
     def apply(self, fact: Fact) -> None:
         """Apply a durable fact (checked first) and re-evaluate its stream."""
@@ -204,6 +207,9 @@ class NodeCore:
                 st.facts.high_water = fact.epoch
                 for member, inc, ver in fact.evidence:
                     st.agreement.fresh_from[member] = (inc, ver)
+                    st.facts.evidence[member] = (inc, ver)
+        elif isinstance(fact, RankState):
+            st.facts.restore_rank(fact)
         return fact.stream
 
     def _check_declare(self, spec: StreamSpec) -> None:
@@ -250,6 +256,28 @@ class NodeCore:
         if hw is not None:
             epochs = epochs.at_least(hw - st.facts.spec.retention)
         return Freeze(stream, generation, epochs)
+
+    def compacted_facts(self) -> list[Fact]:
+        """The shortest list of facts whose `replay` rebuilds this node's local state.
+
+        Used by log compaction: per stream, the declaration, one `RankState` per
+        (rank, domain), the open frozen sets, the generation closure, and one
+        high-water mark carrying the merged evidence. Replaying them gives the same
+        facts, the same refusals (retired epochs stay retired) and, after a restart,
+        the same protection against stale records as replaying the full log.
+        """
+        out: list[Fact] = []
+        for name in sorted(self._streams):
+            f = self._streams[name].facts
+            out.append(Declare(f.spec))
+            out.extend(f.compacted())
+            out.extend(Freeze(name, g, s) for g, s in sorted(f.frozen.items()))
+            if f.closed_below:
+                out.append(CloseGenerations(name, f.closed_below))
+            if f.high_water is not None:
+                evidence = tuple((m, i, v) for m, (i, v) in sorted(f.evidence.items()))
+                out.append(HighWater(name, f.high_water, evidence))
+        return out
 
     # -- records from peers ---------------------------------------------------
 
@@ -432,6 +460,7 @@ class NodeCore:
                 for m in f.spec.member_ids
                 if m != self.node_id and (r := records.get(m)) is not None
             )
+            f.evidence.update((m, (i, v)) for m, i, v in evidence)
             self.pending_facts.append(HighWater(name, d.high_water, evidence))
         old_rp = prev.restore_point if prev else None
         if d.restore_point != old_rp:

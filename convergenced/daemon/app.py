@@ -93,6 +93,10 @@ class Daemon:
         self.peer_port: int | None = None
         """The TCP port actually bound (useful with ``listen = "127.0.0.1:0"``)."""
         self.counters: dict[str, int] = {}
+        self.fatal: BaseException | None = None
+        """Why the daemon stopped on its own (the log failed), if it did."""
+        self._compact_wanted = trio.Event()
+        self._compact_threshold = config.wal_compact_bytes
         self._stop = trio.Event()
         self._stop_reason = ""
         self._dialers: dict[str, trio.CancelScope] = {}
@@ -138,7 +142,7 @@ class Daemon:
         node.replay(e for e in entries if not isinstance(e, Incarnation))
         node.events.clear()
         self.node = node
-        self.journal = Journal(wal, node)
+        self.journal = Journal(wal, node, on_fsync=self._after_fsync, on_failure=self._log_failed)
         self.journal.record(Incarnation(incarnation))
         await self.journal.durable()
         log.info(
@@ -147,7 +151,10 @@ class Daemon:
             incarnation=incarnation,
             facts=len(entries),
             streams=len(node.streams()),
+            wal_bytes=wal.synced_bytes,
         )
+        if wal.synced_bytes >= self._compact_threshold:
+            await self._compact()
 
         self.hub = PeerHub(
             node,
@@ -186,6 +193,7 @@ class Daemon:
                 nursery.start_soon(self._accept, accept_scope, peer_listeners, unix_listener)
                 nursery.start_soon(self._watch_signals)
                 nursery.start_soon(self._drain_events)
+                nursery.start_soon(self._compactor)
                 self._start_dialers(cfg)
                 log.info(
                     "ready",
@@ -244,7 +252,13 @@ class Daemon:
             address = f"{host}:{port}"
         except OSError:
             address = "?"
-        session = PeerSession(self.hub, stream, Role.ACCEPTOR, address=address)
+        session = PeerSession(
+            self.hub,
+            stream,
+            Role.ACCEPTOR,
+            address=address,
+            handshake_timeout=self.config.limits.handshake_timeout_s,
+        )
         reason = await session.run()
         log.info("link closed", peer=session.peer, address=address, reason=reason)
 
@@ -257,7 +271,49 @@ class Daemon:
             async with trio.open_nursery() as nursery:
                 for session in list(self.hub.sessions):
                     nursery.start_soon(session.close, "shutting down")
-        await self.journal.durable()
+        if self.journal.failure is None:
+            await self.journal.durable()
+
+    # -- the log ----------------------------------------------------------------------
+
+    def _after_fsync(self, seconds: float, entries: int) -> None:
+        self._count("wal_fsyncs")
+        self._count("wal_entries", entries)
+        assert self.journal is not None
+        if self.journal.wal.synced_bytes >= self._compact_threshold:
+            self._compact_wanted.set()
+
+    def _log_failed(self, exc: BaseException) -> None:
+        # Nothing more can be acknowledged (see `journal`): stop, and let the restart
+        # replay what is really on disk.
+        log.critical("write-ahead log failed; stopping", error=str(exc))
+        self.fatal = exc
+        self.stop("write-ahead log failed")
+
+    async def _compactor(self) -> None:
+        while True:
+            await self._compact_wanted.wait()
+            self._compact_wanted = trio.Event()
+            await self._compact()
+
+    async def _compact(self) -> None:
+        assert self.journal is not None and self.node is not None
+        node, journal = self.node, self.journal
+        before = journal.wal.synced_bytes
+        started = time.monotonic()
+        size = await journal.compact(
+            lambda: [Incarnation(node.incarnation), *node.compacted_facts()]
+        )
+        # Twice the compacted size: a log whose live state is large must not be
+        # rewritten after every few appends.
+        self._compact_threshold = max(self.config.wal_compact_bytes, 2 * size)
+        self._count("wal_compactions")
+        log.info(
+            "write-ahead log compacted",
+            bytes_before=before,
+            bytes_after=size,
+            seconds=round(time.monotonic() - started, 3),
+        )
 
     # -- peers -----------------------------------------------------------------------
 

@@ -74,6 +74,9 @@ class Config:
     idle_ticks: int = 2
     dead_ticks: int = 20
     mesh_limit: int = 16
+    wal_compact_bytes: int = 64 << 20
+    """Compact the write-ahead log once it grows past this (and past twice its size
+    after the last compaction)."""
     log_level: str = "info"
     limits: Limits = field(default_factory=Limits)
     source: str = "<defaults>"
@@ -82,6 +85,7 @@ class Config:
 _TOP = {
     "node_id", "cluster", "listen", "peers", "socket_path", "state_dir",
     "tick_ms", "idle_ticks", "dead_ticks", "mesh_limit", "log_level", "limits",
+    "wal_compact_bytes",
 }  # fmt: skip
 
 
@@ -132,6 +136,7 @@ def parse(raw: Mapping[str, Any], source: str = "<config>") -> Config:
         idle_ticks=idle,
         dead_ticks=dead,
         mesh_limit=v.integer(raw, "mesh_limit", 16, lo=1, hi=100_000),
+        wal_compact_bytes=v.integer(raw, "wal_compact_bytes", 64 << 20, lo=1 << 16, hi=1 << 40),
         log_level=level,
         limits=v.limits(raw.get("limits", {})),
         source=source,

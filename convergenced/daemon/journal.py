@@ -9,17 +9,27 @@ high-water mark, that a crash could take back.
 `durable` is group commit: one fsync runs at a time, in a worker thread, while the
 event loop keeps appending; every caller waiting when it finishes is covered by the
 next one. Under load a single fsync acknowledges hundreds of commits.
+
+**A failed write or fsync poisons the journal.** After a failed fsync the kernel may
+already have dropped the dirty pages, so a retry can "succeed" without the data
+("fsyncgate"). Every later `durable` raises `JournalFailedError`; the daemon stops
+instead of acknowledging anything more, and the restart replays what is really on
+disk.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import trio
 
 from convergenced.core.node import NodeCore
-from convergenced.daemon.wal import Entry, WriteAheadLog
+from convergenced.daemon.wal import Entry, WriteAheadLog, encode_entries
+
+
+class JournalFailedError(OSError):
+    """A write or fsync of the log failed earlier: nothing can be acknowledged."""
 
 
 class Journal:
@@ -31,6 +41,7 @@ class Journal:
         node: NodeCore,
         *,
         on_fsync: Callable[[float, int], None] | None = None,
+        on_failure: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.wal = wal
         self.node = node
@@ -40,6 +51,9 @@ class Journal:
         self._durable = 0
         self._syncing = False
         self._sync_done = trio.Event()
+        self.failure: BaseException | None = None
+        self.on_failure = on_failure
+        """Called once, with the error, when a write or fsync fails."""
 
     def record(self, entry: Entry) -> None:
         """Append ``entry`` (already applied in memory); durable after `durable`."""
@@ -51,6 +65,50 @@ class Journal:
         """Entries appended but not yet known durable."""
         return self._appended - self._durable
 
+    def _absorb_core_facts(self) -> None:
+        for fact in self.node.pending_facts:
+            self.record(fact)
+        self.node.pending_facts.clear()
+
+    async def compact(self, snapshot: Callable[[], Sequence[Entry]]) -> int:
+        """Rewrite the log as ``snapshot()`` (atomically); return its size in bytes.
+
+        ``snapshot`` must describe everything applied so far (the node's
+        `compacted_facts`). It is taken while no fsync runs, at the same instant the
+        unsynced appends are dropped: they are all inside it. Appends made while the
+        new file is written go to the new file with the next group.
+        """
+        while self._syncing:
+            await self._sync_done.wait()
+        self._check_failure()
+        self._syncing = True
+        try:
+            self._absorb_core_facts()
+            self.wal.take_pending()  # every one of these is inside the snapshot
+            upto = self._appended
+            body = encode_entries(list(snapshot()))
+            try:
+                await trio.to_thread.run_sync(self.wal.replace_durably, body)
+            except Exception as exc:
+                self._fail(exc)
+                raise
+            self._durable = max(self._durable, upto)
+        finally:
+            self._syncing = False
+            done, self._sync_done = self._sync_done, trio.Event()
+            done.set()
+        return self.wal.synced_bytes
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.failure is None:
+            self.failure = exc
+            if self.on_failure is not None:
+                self.on_failure(exc)
+
+    def _check_failure(self) -> None:
+        if self.failure is not None:
+            raise JournalFailedError(f"the write-ahead log failed earlier: {self.failure}")
+
     async def durable(self) -> None:
         """Return once everything applied so far, including the core's own pending
         facts (high-water marks, generation closures), is on disk.
@@ -58,25 +116,29 @@ class Journal:
         Raises:
             OSError: the disk refused; the daemon must stop rather than acknowledge.
         """
-        for fact in self.node.pending_facts:
-            self.record(fact)
-        self.node.pending_facts.clear()
+        self._check_failure()
+        self._absorb_core_facts()
         target = self._appended
         while self._durable < target:
+            self._check_failure()
             if self._syncing:
                 await self._sync_done.wait()
                 continue
             self._syncing = True
-            # One scheduling round first: every task already runnable (typically the
-            # waiters the previous fsync just released) appends its next fact and
-            # joins this group instead of forcing a tiny group of its own.
-            await trio.lowlevel.checkpoint()
-            before, upto = self._durable, self._appended
-            data = self.wal.take_pending()
-            started = time.monotonic()
             try:
-                # Not abandoned on cancellation: an fsync in flight always completes.
-                await trio.to_thread.run_sync(self.wal.write_durably, data)
+                # One scheduling round first: every task already runnable (typically
+                # the waiters the previous fsync just released) appends its next fact
+                # and joins this group instead of forcing a tiny group of its own.
+                await trio.lowlevel.checkpoint()
+                before, upto = self._durable, self._appended
+                data = self.wal.take_pending()
+                started = time.monotonic()
+                try:
+                    # Not abandoned on cancellation: an fsync in flight always completes.
+                    await trio.to_thread.run_sync(self.wal.write_durably, data)
+                except Exception as exc:
+                    self._fail(exc)
+                    raise
             finally:
                 self._syncing = False
                 done, self._sync_done = self._sync_done, trio.Event()

@@ -73,6 +73,7 @@ class PeerSession:
         *,
         expected_peer: str | None = None,
         address: str = "",
+        handshake_timeout: float | None = None,
     ) -> None:
         self.hub = hub
         self.stream = stream
@@ -82,6 +83,8 @@ class PeerSession:
         if expected_peer is not None:
             config = replace(config, expected_peer=expected_peer)
         self.link = Link(hub.node, role, config)
+        self.handshake_timeout = handshake_timeout
+        """Seconds the peer has to complete its HELLO (slowloris guard)."""
         self.closed_reason: str | None = None
         self.error: ProtocolError | None = None
         self._send_lock = trio.Lock()
@@ -108,6 +111,8 @@ class PeerSession:
                 nursery.start_soon(self._reader)
                 nursery.start_soon(self._ticker)
                 nursery.start_soon(self._waker)
+                if self.handshake_timeout is not None:
+                    nursery.start_soon(self._handshake_deadline, self.handshake_timeout)
         finally:
             self.hub.sessions.discard(self)
             with trio.CancelScope(shield=True):
@@ -132,6 +137,12 @@ class PeerSession:
                 self.link.receive_data(data)
             except ProtocolError as err:
                 self.error = err
+            await self._flush()
+
+    async def _handshake_deadline(self, seconds: float) -> None:
+        await trio.sleep(seconds)
+        if self.link.peer is None and not self.link.closed:
+            self.link.close(f"no HELLO within {seconds:g} s")
             await self._flush()
 
     async def _ticker(self) -> None:
@@ -159,7 +170,14 @@ class PeerSession:
                     self.closed_reason = ev.reason
             # Nothing leaves before everything applied so far is durable (a no-op
             # when nothing is pending): see `convergenced.daemon.journal`.
-            await self.hub.make_durable()
+            try:
+                await self.hub.make_durable()
+            except OSError as exc:
+                # The log failed: nothing may leave (the daemon is stopping).
+                self.closed_reason = f"write-ahead log failed: {exc}"
+                if self._nursery is not None:
+                    self._nursery.cancel_scope.cancel()
+                return
             data = self.link.data_to_send()
             if data:
                 try:

@@ -70,12 +70,23 @@ class Service:
         if self._on_fact is not None:
             self._on_fact(fact)
         self.hub.view_changed()
-        await self.journal.durable()
+        await self._durable()
         if isinstance(fact, Declare):
             return {"stream": fact.spec.name, "digest": fact.spec.digest.hex()}
         if isinstance(fact, Commit | Retract | Retire):
             return {"stream": fact.stream, "epoch": fact.epoch, "durable": True}
         return {"stream": fact.stream, "durable": True}
+
+    async def _durable(self) -> None:
+        try:
+            await self.journal.durable()
+        except OSError as exc:
+            raise ApiError(
+                ErrorKind.UNAVAILABLE,
+                "log_failed",
+                f"the write-ahead log failed ({exc}); nothing was acknowledged, the daemon "
+                "is stopping",
+            ) from None
 
     def _admit(self, fact: Fact) -> None:
         if isinstance(fact, Declare):
@@ -113,7 +124,7 @@ class Service:
         # Read first, then wait for the disk: whatever is applied while we wait may
         # not be durable yet, and must not show.
         current = api.status_to_wire(self.node.status(stream))
-        await self.journal.durable()
+        await self._durable()
         return current
 
     async def streams(self) -> list[str]:
@@ -169,7 +180,7 @@ class Service:
                     raise rejected(exc) from None
                 if answer.resolved:
                     self.hub.view_changed()
-                    await self.journal.durable()
+                    await self._durable()
                     return api.generation_to_wire(stream, answer)
                 await self.hub.wait_changed()
         answer = self.node.generation(stream, generation)
@@ -187,7 +198,7 @@ class Service:
         while True:
             current = api.status_to_wire(self.node.status(stream))
             if current != last:
-                await self.journal.durable()
+                await self._durable()
                 emit(current)
                 last = current
             await self.hub.wait_changed()

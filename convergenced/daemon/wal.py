@@ -47,6 +47,7 @@ from convergenced.core.facts import (
     Fact,
     Freeze,
     HighWater,
+    RankState,
     Retire,
     Retract,
 )
@@ -93,8 +94,15 @@ def encode_entry(entry: Entry) -> list[Any]:
     if isinstance(entry, Declare):
         return ["declare", entry.spec.to_wire()]
     if isinstance(entry, Commit):
-        return ["commit", entry.stream, entry.rank, entry.domain, entry.epoch,
-                entry.digest, entry.size]  # fmt: skip
+        return [
+            "commit",
+            entry.stream,
+            entry.rank,
+            entry.domain,
+            entry.epoch,
+            entry.digest,
+            entry.size,
+        ]
     if isinstance(entry, Retract):
         return ["retract", entry.stream, entry.rank, entry.domain, entry.epoch]
     if isinstance(entry, Retire):
@@ -103,6 +111,15 @@ def encode_entry(entry: Entry) -> list[Any]:
         return ["freeze", entry.stream, entry.generation, entry.epochs.encode()]
     if isinstance(entry, HighWater):
         return ["high_water", entry.stream, entry.epoch, [list(e) for e in entry.evidence]]
+    if isinstance(entry, RankState):
+        return [
+            "rank_state",
+            entry.stream,
+            entry.rank,
+            entry.domain,
+            entry.available.encode(),
+            entry.retired.encode(),
+        ]
     return ["close", entry.stream, entry.below]
 
 
@@ -135,12 +152,22 @@ def decode_entry(obj: Any) -> Entry:
         if kind == "high_water":
             stream, epoch, evidence = args
             return HighWater(stream, epoch, tuple((m, i, v) for m, i, v in evidence))
+        if kind == "rank_state":
+            stream, rank, domain, available, retired = args
+            return RankState(
+                stream, rank, domain, IntervalSet.decode(available), IntervalSet.decode(retired)
+            )
         if kind == "close":
             stream, below = args
             return CloseGenerations(stream, below)
     except (TypeError, ValueError, ConvergencedError) as exc:
         raise ValueError(f"{kind} entry: {exc}") from None
     raise ValueError(f"unknown entry kind {kind!r}")
+
+
+def encode_entries(entries: list[Entry]) -> bytes:
+    """The on-disk form of ``entries`` (without the file header)."""
+    return b"".join(_frame(e) for e in entries)
 
 
 def _frame(entry: Entry) -> bytes:
@@ -159,7 +186,9 @@ class WriteAheadLog:
         self._fd = fd
         self._pending = bytearray()
         self.synced_bytes = os.fstat(fd).st_size
+        """Size of the log on disk (what is durable)."""
         self.syncs = 0
+        self.compactions = 0
 
     @classmethod
     def open(cls, path: Path) -> tuple[WriteAheadLog, list[Entry], ReplayReport]:
@@ -224,11 +253,17 @@ class WriteAheadLog:
     def compact(self, entries: list[Entry]) -> None:
         """Replace the log by ``entries`` atomically (pending appends are dropped:
         sync first)."""
-        _write_new(self.path, b"".join(_frame(e) for e in entries))
-        os.close(self._fd)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
         self._pending.clear()
+        self.replace_durably(encode_entries(entries))
+
+    def replace_durably(self, body: bytes) -> None:
+        """Atomically replace the log's entries by ``body`` (from `encode_entries`);
+        blocking. Appends buffered meanwhile stay buffered, for the new file."""
+        _write_new(self.path, body)
+        old, self._fd = self._fd, os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        os.close(old)
         self.synced_bytes = os.fstat(self._fd).st_size
+        self.compactions += 1
 
     def close(self) -> None:
         """Close the file (pending appends are dropped: sync first)."""
