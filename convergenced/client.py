@@ -23,7 +23,7 @@ import os
 import queue
 import socket
 import threading
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Mapping
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 from types import TracebackType
@@ -110,13 +110,14 @@ class Client:
                 if not data:
                     break
                 for reply in reader.feed(data):
-                    rid = reply.get("id") if isinstance(reply, Mapping) else None
+                    if not isinstance(reply, Mapping):
+                        raise ApiError(ErrorKind.INTERNAL, "bad_reply", f"not a map: {reply!r}")
+                    rid = reply.get("id")
                     with self._lock:
                         box = self._pending.get(rid) if isinstance(rid, int) else None
-                        orphan = box is None
                     if box is not None:
                         box.put(reply)
-                    elif orphan and "error" in reply:
+                    elif rid is None and "error" in reply:
                         # An error for no request (too many clients, shutting down).
                         why = str(api.error_from_wire(reply["error"]))
         except (OSError, ApiError) as exc:
@@ -230,7 +231,7 @@ class Client:
             self.call("restore_point", stream=stream, generation=generation, timeout=timeout)
         )
 
-    def watch(self, stream: str) -> Iterator[dict[str, Any]]:
+    def watch(self, stream: str) -> Generator[dict[str, Any], None, None]:
         """The state now and after every change; stop iterating (or close) to end it."""
         rid, box = self._send("watch", {"stream": stream})
         try:
@@ -300,12 +301,14 @@ class AsyncClient:
                 if not data:
                     break
                 for reply in reader.feed(data):
-                    rid = reply.get("id") if isinstance(reply, Mapping) else None
+                    if not isinstance(reply, Mapping):
+                        raise ApiError(ErrorKind.INTERNAL, "bad_reply", f"not a map: {reply!r}")
+                    rid = reply.get("id")
                     ch = self._pending.get(rid) if isinstance(rid, int) else None
                     if ch is not None:
                         # Watches may outpace their reader; the daemon bounds it too.
                         await ch.send(reply)
-                    elif isinstance(reply, Mapping) and "error" in reply:
+                    elif rid is None and "error" in reply:
                         why = str(api.error_from_wire(reply["error"]))
         except (trio.BrokenResourceError, trio.ClosedResourceError, ApiError) as exc:
             why = f"connection lost: {exc}"
@@ -396,7 +399,7 @@ class AsyncClient:
             await self.call("restore_point", stream=stream, generation=generation, timeout=timeout)
         )
 
-    async def watch(self, stream: str) -> AsyncIterator[dict[str, Any]]:
+    async def watch(self, stream: str) -> AsyncGenerator[dict[str, Any], None]:
         """See `Client.watch`."""
         rid, recv = await self._open("watch", {"stream": stream})
         try:

@@ -60,8 +60,17 @@ class LocalApiServer:
     async def handle(self, stream: trio.SocketStream) -> None:
         """Serve one connection until it closes."""
         if self.shutting_down or len(self.sessions) >= self.limits.max_clients:
-            why = "shutting down" if self.shutting_down else "too many clients"
-            err = ApiError(ErrorKind.UNAVAILABLE, why.replace(" ", "_"), f"daemon is {why}")
+            if self.shutting_down:
+                err = ApiError(
+                    ErrorKind.UNAVAILABLE, "shutting_down", "the daemon is shutting down"
+                )
+            else:
+                err = ApiError(
+                    ErrorKind.UNAVAILABLE,
+                    "too_many_clients",
+                    f"the daemon already serves {self.limits.max_clients} clients "
+                    "(limits.max_clients)",
+                )
             self.rejected(err.reason)
             with trio.move_on_after(1):
                 with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
