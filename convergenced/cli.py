@@ -29,8 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the daemon",
         description="Run the daemon: peer links over TCP, the local API on a Unix socket, "
         "facts in a write-ahead log. SIGTERM/SIGINT shut down gracefully; SIGHUP reloads "
-        "peers and log level. Exit 0 after a clean shutdown, 1 when it cannot start "
-        "(bad configuration, state directory in use, port taken, corrupt log).",
+        "peers, mesh_limit, log_level and wal_compact_bytes. Exit 0 after a clean shutdown; "
+        "1 when it cannot start (bad configuration, state directory in use, port taken, "
+        "corrupt log) or when the write-ahead log fails while running.",
     )
     run.add_argument(
         "--config",
@@ -93,7 +94,7 @@ def _run(args: argparse.Namespace) -> int:
         return 1
     fmt = {"auto": None, "json": True, "console": False}[args.log_format]
     logs.configure(cfg.log_level, cfg.node_id, json=fmt)
-    daemon = Daemon(cfg, config_path=args.config)
+    daemon = Daemon(cfg, config_path=args.config, log_json=fmt)
     try:
         trio.run(daemon.run)
     except (StartupError, WalCorruptError, OSError) as exc:

@@ -7,7 +7,7 @@ thread never holds up a `commit` in another.
 
 `AsyncClient` is the same for trio code::
 
-    async with await AsyncClient.connect() as client:
+    async with AsyncClient.connect() as client:
         await client.commit("job", rank=0, domain="nvme", epoch=120)
 
 Every failed request raises `ApiError` (``kind``, ``reason``, message) from

@@ -646,7 +646,7 @@ def test_gc_horizon_is_the_lowest_published_restore_point_minus_retention() -> N
     for node in (a, b):
         status = node.status(STREAM)
         assert status.gc_horizon == 6
-        assert status.safe_to_delete == IntervalSet.span(0, 5)
+        assert status.safe_to_delete == IntervalSet.span(1, 5)
 
 
 def test_nothing_is_safe_to_delete_until_every_member_published_a_restore_point() -> None:
@@ -673,7 +673,7 @@ def test_gc_horizon_uses_the_lowest_restore_point() -> None:
     send(a, b)  # b moves to 5, a still publishes 3
     assert rp(b) == 5
     assert b.status(STREAM).gc_horizon == 3
-    assert b.safe_to_delete(STREAM) == IntervalSet.span(0, 2)
+    assert b.safe_to_delete(STREAM) == IntervalSet.span(1, 2)
 
 
 def test_retention_larger_than_the_restore_point_protects_everything() -> None:
@@ -699,9 +699,9 @@ def test_safe_to_delete_excludes_our_open_frozen_sets() -> None:
     commit(b, *range(6, 10))
     sync(a, b)
     assert a.status(STREAM).gc_horizon == 8
-    assert a.safe_to_delete(STREAM) == IntervalSet.span(0, 3) | IntervalSet.span(6, 7)
+    assert a.safe_to_delete(STREAM) == IntervalSet.span(1, 3) | IntervalSet.span(6, 7)
     # b deletes nothing a froze either: a's record carries its frozen set.
-    assert b.safe_to_delete(STREAM) == IntervalSet.span(0, 3) | IntervalSet.span(6, 7)
+    assert b.safe_to_delete(STREAM) == IntervalSet.span(1, 3) | IntervalSet.span(6, 7)
 
 
 def test_retiring_a_safe_epoch_moves_neither_restore_point_nor_horizon() -> None:
@@ -710,13 +710,13 @@ def test_retiring_a_safe_epoch_moves_neither_restore_point_nor_horizon() -> None
     commit(a, *range(1, 6))
     commit(b, *range(1, 6))
     sync(a, b)
-    assert a.safe_to_delete(STREAM) == IntervalSet.span(0, 3)
+    assert a.safe_to_delete(STREAM) == IntervalSet.span(1, 3)
     a.apply(Retire(STREAM, 0, "nvme", 1))
     sync(a, b)
     assert a.status(STREAM).recoverable == IntervalSet.span(2, 5)
     assert rp(a) == rp(b) == 5
     assert a.status(STREAM).gc_horizon == b.status(STREAM).gc_horizon == 4
-    assert a.safe_to_delete(STREAM) == IntervalSet.span(0, 3)
+    assert a.safe_to_delete(STREAM) == IntervalSet.span(2, 3)  # 1 is gone: nothing to delete
 
 
 # -- recovery generations ---------------------------------------------------------------------

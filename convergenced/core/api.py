@@ -1,7 +1,7 @@
 """The local API codec: what training processes and `convergencectl` say to their daemon.
 
 Sans-IO, shared by the daemon (trio) and the clients (plain sockets or trio). The
-full description, with examples, is in ``proto/PROTOCOL.md`` ("Local API").
+full description, with examples, is in ``proto/LOCAL_API.md``.
 
 **Framing.** Each message is a big-endian ``u32`` length followed by that many bytes
 of msgpack holding one map. A length above the reader's limit is refused before any

@@ -409,7 +409,11 @@ class NodeCore:
         return d.restore_point if d else None
 
     def safe_to_delete(self, stream: str) -> IntervalSet:
-        """Epochs of our recoverable range that may be deleted now (S4)."""
+        """Epochs this node still holds in some domain that may be deleted now (S4).
+
+        Below the GC horizon, outside every open frozen set, and present: an epoch
+        never committed here, or already retired everywhere, is nothing to delete.
+        """
         st = self._stream(stream)
         horizon = st.agreement.gc_horizon()
         if horizon is None or horizon == 0:
@@ -418,7 +422,8 @@ class NodeCore:
         for origin, rec in self.view.stream(stream).items():
             if origin != self.node_id and origin in st.agreement.members:
                 protected.extend(s for _, s in rec.generations)
-        return IntervalSet.span(0, horizon - 1) - IntervalSet.union_all(protected)
+        held = IntervalSet.union_all(st.facts.available.values())
+        return (held & IntervalSet.span(0, horizon - 1)) - IntervalSet.union_all(protected)
 
     def own_record(self, stream: str) -> Record | None:
         """The latest record we published for ``stream``."""

@@ -11,8 +11,8 @@ Start-up order matters for the durability promise:
 Shutdown on SIGTERM or SIGINT (`Daemon.stop`): stop accepting, answer in-flight
 requests (state changes run to their acknowledgement, waits and watches end with
 ``unavailable``), say BYE on every link, make the log durable, close. SIGHUP
-re-reads the configuration and applies what can change safely (peers, log level),
-naming what it could not.
+re-reads the configuration and applies what can change safely (peers, mesh_limit,
+log_level, wal_compact_bytes), naming what it could not.
 """
 
 from __future__ import annotations
@@ -82,9 +82,13 @@ def _state_lock(state_dir: Path) -> Iterator[None]:
 class Daemon:
     """One convergenced daemon. `run` serves until `stop` (or a signal)."""
 
-    def __init__(self, config: Config, *, config_path: Path | None = None) -> None:
+    def __init__(
+        self, config: Config, *, config_path: Path | None = None, log_json: bool | None = None
+    ) -> None:
         self.config = config
         self.config_path = config_path
+        self.log_json = log_json
+        """The log format chosen at start (None: by terminal); kept across reloads."""
         self.started_monotonic = time.monotonic()
         self.node: NodeCore | None = None
         self.hub: PeerHub | None = None
@@ -96,7 +100,7 @@ class Daemon:
         self.fatal: BaseException | None = None
         """Why the daemon stopped on its own (the log failed), if it did."""
         self._compact_wanted = trio.Event()
-        self._compact_threshold = config.wal_compact_bytes
+        self._compacted_size = 0
         self._stop = trio.Event()
         self._stop_reason = ""
         self._dialers: dict[str, trio.CancelScope] = {}
@@ -290,6 +294,12 @@ class Daemon:
         self.fatal = exc
         self.stop("write-ahead log failed")
 
+    @property
+    def _compact_threshold(self) -> int:
+        # Twice the last compacted size too: a log whose live state is large must not
+        # be rewritten after every few appends.
+        return max(self.config.wal_compact_bytes, 2 * self._compacted_size)
+
     async def _compactor(self) -> None:
         while True:
             await self._compact_wanted.wait()
@@ -304,9 +314,7 @@ class Daemon:
         size = await journal.compact(
             lambda: [Incarnation(node.incarnation), *node.compacted_facts()]
         )
-        # Twice the compacted size: a log whose live state is large must not be
-        # rewritten after every few appends.
-        self._compact_threshold = max(self.config.wal_compact_bytes, 2 * size)
+        self._compacted_size = size
         self._count("wal_compactions")
         log.info(
             "write-ahead log compacted",
@@ -373,7 +381,8 @@ class Daemon:
                     self.stop(signal.Signals(signum).name)
 
     def reload(self) -> list[str]:
-        """Re-read the configuration file; apply peers and log level.
+        """Re-read the configuration file; apply peers, mesh_limit, log_level and
+        wal_compact_bytes.
 
         Returns the keys that changed but need a restart (also logged).
         """
@@ -407,11 +416,12 @@ class Daemon:
             peers=new.peers,
             mesh_limit=new.mesh_limit,
             log_level=new.log_level,
+            wal_compact_bytes=new.wal_compact_bytes,
             source=new.source,
         )
         self.config = kept
         if new.log_level != old.log_level:
-            logs.configure(new.log_level, old.node_id)
+            logs.configure(new.log_level, old.node_id, json=self.log_json)
         assert self.hub is not None
         self.hub.link_config = self._link_config(kept)
         self._start_dialers(kept)

@@ -164,7 +164,11 @@ class _Validator:
             return None
         value = table[key]
         if not isinstance(value, str) or not NAME_RE.match(value):
-            raise self.fail(key, f"{value!r}; expected 1-128 of A-Z a-z 0-9 . _ / - (no spaces)")
+            raise self.fail(
+                key,
+                f"{value!r}; expected 1-128 of A-Z a-z 0-9 . _ / -, "
+                "starting with a letter or digit",
+            )
         return value
 
     def integer(

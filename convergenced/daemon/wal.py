@@ -298,7 +298,7 @@ def _scan(path: Path, data: bytes) -> tuple[list[Entry], int, str]:
     entries: list[Entry] = []
     pos = len(FILE_HEADER)
     while pos < len(data):
-        bad = _bad_entry(data, pos)
+        bad = _bad_entry(path, data, pos)
         if bad is not None:
             problem, end = bad
             if end >= len(data):
@@ -317,7 +317,7 @@ def _scan(path: Path, data: bytes) -> tuple[list[Entry], int, str]:
     return entries, pos, ""
 
 
-def _bad_entry(data: bytes, pos: int) -> tuple[str, int] | None:
+def _bad_entry(path: Path, data: bytes, pos: int) -> tuple[str, int] | None:
     """None if the entry at ``pos`` is whole and its checksum holds; else (problem,
     offset where the damaged entry claims to end)."""
     if pos + ENTRY_HEADER.size > len(data):
@@ -327,7 +327,7 @@ def _bad_entry(data: bytes, pos: int) -> tuple[str, int] | None:
     if length > MAX_ENTRY_BYTES:
         # A torn write leaves a prefix of real bytes, so a whole length field is the
         # true length: an implausible one is damage, never a tail to cut quietly.
-        raise WalCorruptError(f"entry at offset {pos} claims {length} bytes: corrupt")
+        raise WalCorruptError(f"{path}: entry at offset {pos} claims {length} bytes: corrupt")
     if end > len(data):
         return f"entry of {length} bytes cut at {len(data) - pos - ENTRY_HEADER.size}", end
     if zlib.crc32(data[pos + ENTRY_HEADER.size : end]) != crc:
