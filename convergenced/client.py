@@ -23,7 +23,7 @@ import os
 import queue
 import socket
 import threading
-from collections.abc import AsyncGenerator, AsyncIterator, Generator, Mapping
+from collections.abc import AsyncIterator, Generator, Mapping
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 from types import TracebackType
@@ -399,12 +399,17 @@ class AsyncClient:
             await self.call("restore_point", stream=stream, generation=generation, timeout=timeout)
         )
 
-    async def watch(self, stream: str) -> AsyncGenerator[dict[str, Any], None]:
-        """See `Client.watch`."""
+    @asynccontextmanager
+    async def watch(self, stream: str) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+        """See `Client.watch`. A context manager, so the watch ends when the block does::
+
+        async with client.watch("job") as events:
+            async for state in events:
+                ...
+        """
         rid, recv = await self._open("watch", {"stream": stream})
         try:
-            while True:
-                yield dict(_result(await self._next(recv)))
+            yield _Events(self, recv)
         finally:
             self._pending.pop(rid, None)
             if self._lost is None:
@@ -416,3 +421,18 @@ class AsyncClient:
                             await self._stream.send_all(frame)
                     except (self._trio.BrokenResourceError, self._trio.ClosedResourceError):
                         pass
+
+
+class _Events:
+    """The events of one `AsyncClient.watch` (an async iterator, not a generator, so
+    nothing is left to finalize when a loop stops early)."""
+
+    def __init__(self, client: AsyncClient, recv: Any) -> None:
+        self._client = client
+        self._recv = recv
+
+    def __aiter__(self) -> _Events:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        return dict(_result(await self._client._next(self._recv)))
