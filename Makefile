@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint typecheck pytest bench-core clean
+.PHONY: install test lint typecheck pytest bench-core bench-daemon clean
 
 install: $(STAMP)
 
@@ -30,6 +30,9 @@ test: lint typecheck pytest
 
 bench-core: $(STAMP)
 	$(BIN)/python benchmarks/bench_core.py
+
+bench-daemon: $(STAMP)
+	$(BIN)/python benchmarks/bench_daemon.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis
