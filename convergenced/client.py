@@ -338,12 +338,33 @@ class AsyncClient:
             raise DaemonUnreachable(self._lost or "connection lost") from None
 
     async def call(self, op: str, **args: Any) -> Any:
-        """Send one request and return its result (raises `ApiError` on an error reply)."""
+        """Send one request and return its result (raises `ApiError` on an error reply).
+
+        Cancelling the calling task cancels the request on the daemon too, so an
+        abandoned `wait` does not keep holding one of the connection's request slots.
+        """
         rid, recv = await self._open(op, args)
+        answered = False
         try:
-            return _result(await self._next(recv))
+            reply = await self._next(recv)
+            answered = True
+            return _result(reply)
         finally:
             self._pending.pop(rid, None)
+            if not answered:
+                await self._send_cancel(rid)
+
+    async def _send_cancel(self, rid: int) -> None:
+        # Fire and forget: the reply to the cancel has no taker.
+        if self._lost is not None:
+            return
+        frame = api.encode_frame(api.request(next(self._ids), "cancel", target=rid))
+        with self._trio.CancelScope(shield=True):
+            try:
+                async with self._send_lock:
+                    await self._stream.send_all(frame)
+            except (self._trio.BrokenResourceError, self._trio.ClosedResourceError):
+                pass
 
     async def status(self) -> dict[str, Any]:
         """See `Client.status`."""
@@ -412,15 +433,7 @@ class AsyncClient:
             yield _Events(self, recv)
         finally:
             self._pending.pop(rid, None)
-            if self._lost is None:
-                # Cancel without waiting for the reply (which then has no taker).
-                frame = api.encode_frame(api.request(next(self._ids), "cancel", target=rid))
-                with self._trio.CancelScope(shield=True):
-                    try:
-                        async with self._send_lock:
-                            await self._stream.send_all(frame)
-                    except (self._trio.BrokenResourceError, self._trio.ClosedResourceError):
-                        pass
+            await self._send_cancel(rid)
 
 
 class _Events:

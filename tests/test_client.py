@@ -113,3 +113,13 @@ def test_cluster_command_writes_valid_configs_and_refuses_bad_input(
     deep = tmp_path / ("x" * 90)
     assert cli.main(["cluster", "--nodes", "1", "--dir", str(deep)]) == 2
     assert "use a shorter --dir" in capsys.readouterr().err
+
+
+async def test_abandoned_async_calls_are_cancelled_on_the_daemon(solo: LocalCluster) -> None:
+    async with AsyncClient.connect(solo.socket_path(1)) as c:
+        await c.declare(_spec("abandon"))
+        for _ in range(300):  # more than the connection's 256 request slots
+            with trio.move_on_after(0.001):
+                await c.wait("abandon", 10**9)
+        with trio.fail_after(10):
+            assert (await c.status())["node"] == "node-1"
