@@ -201,10 +201,37 @@ class StreamFacts:
         if after is before:
             return False
         self.available[key] = after
+        if isinstance(fact, Commit):
+            self._commit_added(fact.rank, fact.domain, fact.epoch)
+            return True
         self._recompute_newest(fact.domain)
         if fact.domain in self.spec.policy.domains:
             self._recompute_rank(fact.rank)
         return True
+
+    def _commit_added(self, rank: int, domain: str, epoch: int) -> None:
+        # A commit only adds one epoch, so every derived set can only gain that epoch:
+        # membership tests instead of recomputing intersections (the hot path of a
+        # daemon taking thousands of commits a second). Retractions and retirements
+        # take the full recomputation.
+        holds = self.available.get
+        if all(epoch in holds((r, domain), EMPTY) for r in self._ranks):
+            if epoch > self._newest.get(domain, -1):
+                self._newest[domain] = epoch
+                self._newest = dict(sorted(self._newest.items()))
+        policy = self.spec.policy
+        if domain not in policy.domains:
+            return
+        old = self._rank_sets.get(rank, EMPTY)
+        if epoch in old:
+            return
+        if policy.mode is PolicyMode.ALL and not all(
+            epoch in holds((rank, d), EMPTY) for d in policy.domains
+        ):
+            return
+        self._rank_sets[rank] = old.add(epoch)
+        if all(epoch in self._rank_sets.get(r, EMPTY) for r in self._ranks):
+            self._recoverable = self._recoverable.add(epoch)
 
     def restore_rank(self, state: RankState) -> None:
         """Apply a compacted `RankState` (checked first)."""
