@@ -17,6 +17,7 @@ deleted.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from convergenced.core.errors import FactError
@@ -147,6 +148,9 @@ class StreamFacts:
     _recoverable: IntervalSet = field(default_factory=IntervalSet)
     _ranks: tuple[int, ...] = ()
     _newest: dict[str, int] = field(default_factory=dict)
+    _scans: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
+    """Resume points of `_every_rank_holds`: key -> (epoch, first rank index not
+    yet seen holding it)."""
 
     def __post_init__(self) -> None:
         self._ranks = self.spec.ranks_of(self.node)
@@ -204,6 +208,7 @@ class StreamFacts:
         if isinstance(fact, Commit):
             self._commit_added(fact.rank, fact.domain, fact.epoch)
             return True
+        self._forget_scans()
         self._recompute_newest(fact.domain)
         if fact.domain in self.spec.policy.domains:
             self._recompute_rank(fact.rank)
@@ -212,13 +217,14 @@ class StreamFacts:
     def _commit_added(self, rank: int, domain: str, epoch: int) -> None:
         # A commit only adds one epoch, so every derived set can only gain that epoch:
         # membership tests instead of recomputing intersections (the hot path of a
-        # daemon taking thousands of commits a second). Retractions and retirements
-        # take the full recomputation.
+        # daemon taking thousands of commits a second). Retractions, retirements and
+        # compacted states take the full recomputation.
         holds = self.available.get
-        if all(epoch in holds((r, domain), EMPTY) for r in self._ranks):
-            if epoch > self._newest.get(domain, -1):
-                self._newest[domain] = epoch
-                self._newest = dict(sorted(self._newest.items()))
+        if epoch > self._newest.get(domain, -1) and self._every_rank_holds(
+            ("newest", domain), epoch, lambda r: holds((r, domain), EMPTY)
+        ):
+            self._newest[domain] = epoch
+            self._newest = dict(sorted(self._newest.items()))
         policy = self.spec.policy
         if domain not in policy.domains:
             return
@@ -230,8 +236,34 @@ class StreamFacts:
         ):
             return
         self._rank_sets[rank] = old.add(epoch)
-        if all(epoch in self._rank_sets.get(r, EMPTY) for r in self._ranks):
+        rank_sets = self._rank_sets.get
+        if self._every_rank_holds(("recoverable", ""), epoch, lambda r: rank_sets(r, EMPTY)):
             self._recoverable = self._recoverable.add(epoch)
+
+    def _every_rank_holds(
+        self, key: tuple[str, str], epoch: int, set_of: Callable[[int], IntervalSet]
+    ) -> bool:
+        """Whether ``set_of(r)`` holds ``epoch`` for every rank r.
+
+        Ranks commit an epoch one after another, so the scan resumes where the last
+        scan of the same key and epoch stopped: O(1) amortized per commit instead of
+        O(ranks). Sound because these sets only grow between two scans; anything
+        that shrinks them clears the resume points (`_forget_scans`).
+        """
+        ranks = self._ranks
+        start = 0
+        resume = self._scans.get(key)
+        if resume is not None and resume[0] == epoch:
+            start = resume[1]
+        for i in range(start, len(ranks)):
+            if epoch not in set_of(ranks[i]):
+                self._scans[key] = (epoch, i)
+                return False
+        self._scans.pop(key, None)
+        return True
+
+    def _forget_scans(self) -> None:
+        self._scans.clear()
 
     def restore_rank(self, state: RankState) -> None:
         """Apply a compacted `RankState` (checked first)."""
@@ -242,6 +274,7 @@ class StreamFacts:
                 table[key] = value
             else:
                 table.pop(key, None)
+        self._forget_scans()
         self._recompute_newest(state.domain)
         if state.domain in self.spec.policy.domains:
             self._recompute_rank(state.rank)
@@ -292,6 +325,7 @@ class StreamFacts:
         self._recoverable = IntervalSet.intersect_all([self._rank_sets[r] for r in self._ranks])
 
     def _recompute_all(self) -> None:
+        self._forget_scans()
         for r in self._ranks:
             self._rank_sets[r] = self._rank_set(r)
         self._recoverable = IntervalSet.intersect_all([self._rank_sets[r] for r in self._ranks])

@@ -1,8 +1,11 @@
 """The local API over a Unix socket: one `ClientSession` per connected process.
 
-Each session has a reader (frames in, one task per request, at most
-``limits.client_queue`` in flight, which is also the backpressure on a client that
-sends faster than it is served) and a writer (replies out, from a bounded queue).
+Each session has a reader and a writer. The reader applies facts (declare, commit,
+retract, retire) inline, in the order they arrive, and acknowledges all the facts of
+one read together after a single `Service.durable`; every other request gets a task
+of its own, at most ``limits.client_queue`` in flight (which is also the
+backpressure on a client that sends faster than it is served). The writer sends
+replies from a bounded queue, everything queued in one write.
 Handlers never wait for the writer: a reply that finds the queue full means the
 client stopped reading, and that client alone is disconnected (``client_too_slow``),
 so one stuck process can never stall the daemon or any other client.
@@ -32,6 +35,8 @@ log = structlog.get_logger("convergenced.api")
 
 WAITING_OPS = frozenset({"wait", "restore_point", "watch"})
 """Operations that only wait: ended, not awaited, at shutdown."""
+FACT_OPS = frozenset({"declare", "commit", "retract", "retire"})
+"""Operations applied inline by the reader and acknowledged in batches."""
 
 
 class LocalApiServer:
@@ -106,6 +111,10 @@ class ClientSession:
         self._send, self._queue = trio.open_memory_channel[bytes](limits.client_queue)
         self._slots = trio.Semaphore(limits.client_queue)
         self._inflight: dict[int, tuple[str, trio.CancelScope]] = {}
+        """Requests being handled, by id; acknowledgement batches use negative keys."""
+        self._acks: list[tuple[int, Any]] = []
+        """Facts applied from the current read, awaiting one shared `durable`."""
+        self._batches = 0
         self._nursery: trio.Nursery | None = None
         self._read_scope = trio.CancelScope()
         self._idle = trio.Event()
@@ -160,6 +169,38 @@ class ClientSession:
                 return
             for obj in objs:
                 await self._dispatch(obj)
+            self._flush_acks()
+
+    def _flush_acks(self) -> None:
+        # One task and one fsync wait for every fact of the read (group commit within
+        # a connection; across connections the journal groups the fsyncs).
+        if not self._acks:
+            return
+        batch, self._acks = self._acks, []
+        self._batches += 1
+        key = -self._batches
+        scope = trio.CancelScope()
+        self._inflight[key] = ("ack", scope)
+        self._idle = trio.Event()
+        assert self._nursery is not None
+        self._nursery.start_soon(self._acknowledge, key, batch)
+
+    async def _acknowledge(self, key: int, batch: list[tuple[int, Any]]) -> None:
+        try:
+            await self.server.service.durable()
+        except ApiError as err:
+            for rid, _ in batch:
+                self._fail(rid, err)
+        else:
+            for rid, result in batch:
+                self._reply(api.ok(rid, result))
+        finally:
+            self._done(key)
+
+    def _done(self, key: int) -> None:
+        self._inflight.pop(key, None)
+        if not self._inflight:
+            self._idle.set()
 
     async def _dispatch(self, obj: Any) -> None:
         try:
@@ -182,6 +223,12 @@ class ClientSession:
             self._fail(
                 req.id, ApiError(ErrorKind.UNAVAILABLE, "shutting_down", "daemon is shutting down")
             )
+            return
+        if req.op in FACT_OPS:
+            try:
+                self._acks.append((req.id, self.server.service.apply(req.args["fact"])))
+            except ApiError as err:
+                self._fail(req.id, err)
             return
         await self._slots.acquire()
         scope = trio.CancelScope()
@@ -217,10 +264,8 @@ class ClientSession:
                     )
                 self._fail(req.id, end)
         finally:
-            self._inflight.pop(req.id, None)
             self._slots.release()
-            if not self._inflight:
-                self._idle.set()
+            self._done(req.id)
 
     async def _call(self, req: Request) -> Any:
         svc, a = self.server.service, req.args
@@ -229,8 +274,6 @@ class ClientSession:
                 return await svc.status()
             case "streams":
                 return await svc.streams()
-            case "declare" | "commit" | "retract" | "retire":
-                return await svc.submit(a["fact"])
             case "state":
                 return await svc.state(a["stream"])
             case "wait":
@@ -263,8 +306,14 @@ class ClientSession:
     async def _writer(self) -> None:
         async with self._queue:
             async for frame in self._queue:
+                frames = [frame]
+                while True:  # everything queued goes out in one write
+                    try:
+                        frames.append(self._queue.receive_nowait())
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
                 try:
-                    await self.stream.send_all(frame)
+                    await self.stream.send_all(b"".join(frames))
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     self.kill()
                     return

@@ -61,6 +61,19 @@ class Service:
 
     async def submit(self, fact: Fact) -> dict[str, Any]:
         """Apply, log and make ``fact`` durable; the reply acknowledges it."""
+        result = self.apply(fact)
+        await self.durable()
+        return result
+
+    def apply(self, fact: Fact) -> dict[str, Any]:
+        """Apply and log ``fact`` now; return the reply to send once `durable` returned.
+
+        Synchronous, so a connection can apply a whole batch of requests and
+        acknowledge them all after one `durable` (see `local_api`).
+
+        Raises:
+            ApiError: ``rejected``; nothing changed.
+        """
         self._admit(fact)
         try:
             self.node.apply(fact)
@@ -70,14 +83,18 @@ class Service:
         if self._on_fact is not None:
             self._on_fact(fact)
         self.hub.view_changed()
-        await self._durable()
         if isinstance(fact, Declare):
             return {"stream": fact.spec.name, "digest": fact.spec.digest.hex()}
         if isinstance(fact, Commit | Retract | Retire):
             return {"stream": fact.stream, "epoch": fact.epoch, "durable": True}
         return {"stream": fact.stream, "durable": True}
 
-    async def _durable(self) -> None:
+    async def durable(self) -> None:
+        """Wait until everything applied so far is on disk.
+
+        Raises:
+            ApiError: ``unavailable``/``log_failed`` when the log failed.
+        """
         try:
             await self.journal.durable()
         except OSError as exc:
@@ -124,7 +141,7 @@ class Service:
         # Read first, then wait for the disk: whatever is applied while we wait may
         # not be durable yet, and must not show.
         current = api.status_to_wire(self.node.status(stream))
-        await self._durable()
+        await self.durable()
         return current
 
     async def streams(self) -> list[str]:
@@ -180,7 +197,7 @@ class Service:
                     raise rejected(exc) from None
                 if answer.resolved:
                     self.hub.view_changed()
-                    await self._durable()
+                    await self.durable()
                     return api.generation_to_wire(stream, answer)
                 await self.hub.wait_changed()
         answer = self.node.generation(stream, generation)
@@ -198,7 +215,7 @@ class Service:
         while True:
             current = api.status_to_wire(self.node.status(stream))
             if current != last:
-                await self._durable()
+                await self.durable()
                 emit(current)
                 last = current
             await self.hub.wait_changed()
