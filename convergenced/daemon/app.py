@@ -126,6 +126,8 @@ class Daemon:
             try:
                 await self._serve(wal, entries, report.torn_tail_bytes, report.detail, task_status)
             finally:
+                if self.journal is not None:
+                    self.journal.close()
                 wal.close()
 
     async def _serve(
