@@ -48,10 +48,20 @@ S = LinkState
 CLUSTER = "test-cluster"
 OPEN_STATES = (S.START, S.HELLO_SENT, S.HOLDING, S.TICK_SENT, S.WAITING, S.ANSWERING)
 RECV_EVENTS = (Ev.RECV_HELLO, Ev.RECV_TICK, Ev.RECV_TOCK, Ev.RECV_NUDGE, Ev.RECV_BYE)
-SEND_EVENT = {Hello: Ev.SEND_HELLO, Tick: Ev.SEND_TICK, Tock: Ev.SEND_TOCK,
-              Nudge: Ev.SEND_NUDGE, Bye: Ev.SEND_BYE}  # fmt: skip
-RECV_EVENT = {Hello: Ev.RECV_HELLO, Tick: Ev.RECV_TICK, Tock: Ev.RECV_TOCK,
-              Nudge: Ev.RECV_NUDGE, Bye: Ev.RECV_BYE}  # fmt: skip
+SEND_EVENT = {
+    Hello: Ev.SEND_HELLO,
+    Tick: Ev.SEND_TICK,
+    Tock: Ev.SEND_TOCK,
+    Nudge: Ev.SEND_NUDGE,
+    Bye: Ev.SEND_BYE,
+}
+RECV_EVENT = {
+    Hello: Ev.RECV_HELLO,
+    Tick: Ev.RECV_TICK,
+    Tock: Ev.RECV_TOCK,
+    Nudge: Ev.RECV_NUDGE,
+    Bye: Ev.RECV_BYE,
+}
 
 
 # -- helpers ------------------------------------------------------------------
@@ -351,23 +361,35 @@ def test_repeated_hello_is_rejected() -> None:
     ("hello", "cfg", "reason", "text"),
     [
         pytest.param(
-            Hello("other-cluster", "b", 1, bytes(16), ()), {}, "wrong_cluster",
-            "HELLO.cluster: 'other-cluster', expected 'test-cluster'", id="wrong-cluster",
+            Hello("other-cluster", "b", 1, bytes(16), ()),
+            {},
+            "wrong_cluster",
+            "HELLO.cluster: 'other-cluster', expected 'test-cluster'",
+            id="wrong-cluster",
         ),
         pytest.param(
-            Hello(CLUSTER, "a", 1, bytes(16), ()), {}, "self_connection",
-            "HELLO.node: 'a' is ourselves", id="self-connection",
+            Hello(CLUSTER, "a", 1, bytes(16), ()),
+            {},
+            "self_connection",
+            "HELLO.node: 'a' is ourselves",
+            id="self-connection",
         ),
         pytest.param(
-            Hello(CLUSTER, "c", 1, bytes(16), ()), {"expected_peer": "b"}, "unexpected_peer",
-            "HELLO.node: 'c', expected 'b'", id="unexpected-peer",
+            Hello(CLUSTER, "c", 1, bytes(16), ()),
+            {"expected_peer": "b"},
+            "unexpected_peer",
+            "HELLO.node: 'c', expected 'b'",
+            id="unexpected-peer",
         ),
         pytest.param(
-            Hello(CLUSTER, "z", 1, bytes(16), ()), {"allowed_peers": frozenset({"b", "c"})},
-            "unknown_node", "HELLO.node: 'z' is not in the cluster", id="unknown-node",
+            Hello(CLUSTER, "z", 1, bytes(16), ()),
+            {"allowed_peers": frozenset({"b", "c"})},
+            "unknown_node",
+            "HELLO.node: 'z' is not in the cluster",
+            id="unknown-node",
         ),
     ],
-)  # fmt: skip
+)
 def test_hello_from_the_wrong_peer_is_rejected(
     hello: Hello, cfg: dict[str, object], reason: str, text: str
 ) -> None:
@@ -428,13 +450,13 @@ def test_initiator_holds_the_token_first() -> None:
     # ...while the initiator's heartbeat is a TICK.
     initiator.on_timer()
     [tick] = decode_all(initiator.data_to_send())
-    assert tick == Tick(1, initiator.node.view.digest, True, ())
+    assert tick == Tick(1, initiator.node.view.digest, True, (), ("b",))
 
 
 def test_tick_is_answered_by_tock_with_the_same_seq_and_the_token_passes() -> None:
     link = opened(Role.ACCEPTOR)
     sent = feed(link, Tick(1, link.node.view.digest, True, ()))
-    assert sent == [Tock(1, link.node.view.digest, True, ())]
+    assert sent == [Tock(1, link.node.view.digest, True, (), ("b",))]
     assert link.state is S.HOLDING
     assert drain(link) == [ExchangeDone(1, True)]
 
@@ -476,7 +498,7 @@ def test_heartbeat_after_idle_ticks() -> None:
         link.on_timer()
         assert link.data_to_send() == b""
     link.on_timer()
-    assert decode_all(link.data_to_send()) == [Tick(1, link.node.view.digest, True, ())]
+    assert decode_all(link.data_to_send()) == [Tick(1, link.node.view.digest, True, (), ("b",))]
 
 
 def test_heartbeat_bounds_our_own_silence() -> None:
@@ -490,7 +512,7 @@ def test_heartbeat_bounds_our_own_silence() -> None:
     link.on_timer()
     assert feed(link, peer_hello(node)) == []
     link.on_timer()
-    assert decode_all(link.data_to_send()) == [Tick(1, node.view.digest, True, ())]
+    assert decode_all(link.data_to_send()) == [Tick(1, node.view.digest, True, (), ("b",))]
 
 
 def test_holder_with_deltas_ticks_at_once() -> None:
@@ -506,7 +528,7 @@ def test_holder_with_deltas_ticks_at_once() -> None:
 
 def test_nudge_makes_an_idle_holder_tick() -> None:
     link = opened(Role.INITIATOR, idle_ticks=100)
-    assert feed(link, Nudge()) == [Tick(1, link.node.view.digest, True, ())]
+    assert feed(link, Nudge()) == [Tick(1, link.node.view.digest, True, (), ("b",))]
     assert link.state is S.TICK_SENT
 
 
@@ -528,8 +550,8 @@ def test_nudge_is_allowed_again_in_the_next_token_period() -> None:
     digest = link.node.view.digest
     feed(link, Nudge())  # -> TICK 1
     feed(link, Tock(1, digest, True, ()))
-    assert feed(link, Tick(2, digest, True, ())) == [Tock(2, digest, True, ())]
-    assert feed(link, Nudge()) == [Tick(3, digest, True, ())]
+    assert feed(link, Tick(2, digest, True, ())) == [Tock(2, digest, True, (), ("b",))]
+    assert feed(link, Nudge()) == [Tick(3, digest, True, (), ("b",))]
 
 
 def test_waiting_side_with_deltas_nudges_once_per_token_period() -> None:
@@ -746,7 +768,7 @@ def test_mutual_needs_the_peer_to_have_matched_too() -> None:
     # Same digest, but the peer says it had not matched ours: we know, it may not.
     [tock] = feed(link, Tick(1, digest, False, ()))
     assert (link.in_sync, link.mutual) == (True, False)
-    assert tock == Tock(1, digest, True, ())
+    assert tock == Tock(1, digest, True, (), ("b",))
     link.on_timer()
     link.data_to_send()
     feed(link, Tock(2, digest, True, ()))
@@ -918,3 +940,52 @@ def test_any_schedule_ends_in_sync_once_quiet(ops: list[tuple[str, int, int, int
     assert not any(link.closed for link in links)
     assert nodes[0].view.digest == nodes[1].view.digest == nodes[2].view.digest
     assert all(link.in_sync and link.mutual for link in links)
+
+
+# -- relaying and the peer's links ---------------------------------------------------------
+
+
+def test_links_are_announced_and_counted_while_established() -> None:
+    node = make_node("a")
+    link = opened(Role.INITIATOR, node)
+    assert node.neighbours == {"b": 1}
+    link.on_timer()  # heartbeat
+    [tick] = decode_all(link.data_to_send())
+    assert isinstance(tick, Tick) and tick.links == ("b",)
+    link.close("bye")
+    assert node.neighbours == {}
+
+
+def test_records_of_nodes_the_peer_is_linked_to_are_not_relayed() -> None:
+    node = make_node("a")
+    link = opened(Role.ACCEPTOR, node)
+    # The peer (b) says it is linked to c, and to us; answering passes us the token.
+    [tock] = feed(link, Tick(1, node.view.digest, True, (), ("a", "c")))
+    assert isinstance(tock, Tock) and tock.records == ()
+    node.receive([relayed("c"), relayed("d")])
+    link.poll()
+    [tick] = decode_all(link.data_to_send())
+    assert isinstance(tick, Tick)
+    assert [r.origin for r in tick.records] == ["d"]  # c's record is c's to send
+    # Once the peer reports its link to c gone, c's record is owed after all.
+    assert feed(link, Tock(2, bytes(16), False, (), ("a",))) == [Nudge()]
+    [tock] = feed(link, Tick(3, bytes(16), False, (), ("a",)))
+    assert isinstance(tock, Tock) and [r.origin for r in tock.records] == ["c"]
+
+
+def test_our_own_records_are_sent_even_though_the_peer_lists_us() -> None:
+    node = make_node("a")
+    link = opened(Role.ACCEPTOR, node)
+    feed(link, Tick(1, node.view.digest, True, (), ("a",)))
+    own = Record(
+        stream="s",
+        origin="a",
+        incarnation=1,
+        version=1,
+        spec_digest=bytes(32),
+        recoverable=IntervalSet.span(0, 1),
+    )
+    node.view.merge(own)
+    link.poll()
+    [tick] = decode_all(link.data_to_send())
+    assert isinstance(tick, Tick) and [r.origin for r in tick.records] == ["a"]

@@ -111,7 +111,8 @@ def from_json(kind: str, d: dict[str, Any]) -> Message:
     if kind in ("TICK", "TOCK"):
         cls = Tick if kind == "TICK" else Tock
         records = tuple(record_from_json(r) for r in d["records"])
-        return cls(d["seq"], bytes.fromhex(d["digest"]), d["match"], records)
+        links = tuple(d["links"])
+        return cls(d["seq"], bytes.fromhex(d["digest"]), d["match"], records, links)
     if kind == "NUDGE":
         assert d == {}
         return Nudge()
@@ -134,6 +135,7 @@ def to_json(msg: Message) -> dict[str, Any]:
             "digest": msg.digest.hex(),
             "match": msg.match,
             "records": [record_to_json(r) for r in msg.records],
+            "links": list(msg.links),
         }
     if isinstance(msg, Nudge):
         return {}
@@ -282,8 +284,9 @@ def test_stream_of_all_vectors_byte_by_byte() -> None:
 
 def test_decoder_accepts_any_valid_msgpack_encoding() -> None:
     # Encoders need not be canonical: wider int formats and other key orders decode alike.
-    body = b"\x84" + b"".join(
+    body = b"\x85" + b"".join(
         [
+            msgpack.packb("links"), b"\x90",
             msgpack.packb("records"), b"\x90",
             msgpack.packb("match"), b"\xc3",
             msgpack.packb("digest"), msgpack.packb(bytes(16), use_bin_type=True),
@@ -485,9 +488,11 @@ messages: st.SearchStrategy[Message] = st.one_of(
         summary=st.lists(st.tuples(names, names, ints, ints), max_size=4).map(tuple),
     ),
     st.builds(Tick, st.integers(1, INT64_MAX), digests, st.booleans(),
-              st.lists(records, max_size=3).map(tuple)),
+              st.lists(records, max_size=3).map(tuple),
+              st.lists(names, max_size=3).map(lambda xs: tuple(sorted(set(xs))))),
     st.builds(Tock, st.integers(1, INT64_MAX), digests, st.booleans(),
-              st.lists(records, max_size=3).map(tuple)),
+              st.lists(records, max_size=3).map(tuple),
+              st.lists(names, max_size=3).map(lambda xs: tuple(sorted(set(xs))))),
     st.just(Nudge()),
     st.builds(Bye, st.text(max_size=256) | st.text(string.printable, max_size=20)),
 )  # fmt: skip

@@ -212,6 +212,9 @@ class Link:
         self._nudged = False  # we sent NUDGE this token period
         self._nudge_received = False  # peer nudged us this token period
         self._peer_matched = False  # peer's last message said it matched our digest
+        self._peer_links: frozenset[str] = frozenset()
+        """Origins whose records we do not send on this link: the nodes the peer last
+        said it is linked to (their records are theirs to send) and the peer itself."""
 
     # -- transitions ----------------------------------------------------------
 
@@ -231,7 +234,7 @@ class Link:
             if isinstance(err, RemoteProtocolError):
                 self._emit(Bye(reason=f"{err.reason}: {err}"[:256]))
             self.state = S.CLOSED
-            self._events.append(Closed(str(err), err))
+            self._closed(str(err), err)
 
     # -- public API -------------------------------------------------------------
 
@@ -255,7 +258,7 @@ class Link:
             return
         if not data:
             self._fire(Ev.DEAD)
-            self._events.append(Closed("connection closed by peer"))
+            self._closed("connection closed by peer")
             return
         self.bytes_received += len(data)
         self._decoder.feed(data)
@@ -281,9 +284,7 @@ class Link:
         self._ticks_since_sent += 1
         if self._ticks_since_recv >= self.config.dead_ticks:
             self._fire(Ev.DEAD)
-            self._events.append(
-                Closed(f"no message for {self._ticks_since_recv} ticks: link declared down")
-            )
+            self._closed(f"no message for {self._ticks_since_recv} ticks: link declared down")
             return
         self.poll()
 
@@ -306,7 +307,7 @@ class Link:
         if self.state is not S.START:
             self._emit(Bye(reason=reason[:256]))
         self._fire(Ev.SEND_BYE)
-        self._events.append(Closed(reason))
+        self._closed(reason)
 
     def data_to_send(self) -> bytes:
         """Bytes queued for the peer since the last call."""
@@ -330,10 +331,12 @@ class Link:
                 self._protocol_violation(f"TICK.seq: {msg.seq}, expected {self.seq + 1}")
             self.seq = msg.seq
             self._nudged = False
+            self._note_peer_links(msg.links)
             self._take(msg.records, msg.digest, msg.match)
             records = self._deltas()
             self._fire(Ev.SEND_TOCK)
-            self._emit(Tock(self.seq, self.node.view.digest, self.in_sync, tuple(records)))
+            view = self.node.view
+            self._emit(Tock(self.seq, view.digest, self.in_sync, tuple(records), self._links()))
             self._mark_sent(records)
             self._nudge_received = False
             self._events.append(ExchangeDone(self.seq, self.in_sync))
@@ -341,6 +344,7 @@ class Link:
             self._fire(Ev.RECV_TOCK)
             if msg.seq != self.seq:
                 self._protocol_violation(f"TOCK.seq: {msg.seq}, expected {self.seq}")
+            self._note_peer_links(msg.links)
             self._take(msg.records, msg.digest, msg.match)
             self._nudge_received = False
             self._events.append(ExchangeDone(self.seq, self.in_sync))
@@ -354,7 +358,7 @@ class Link:
             self._nudge_received = True
         else:
             self._fire(Ev.RECV_BYE)
-            self._events.append(Closed(f"peer said goodbye: {msg.reason}"))
+            self._closed(f"peer said goodbye: {msg.reason}")
 
     def _protocol_violation(self, text: str, reason: str = "out_of_order") -> None:
         err = RemoteProtocolError(text, reason=reason)
@@ -384,6 +388,34 @@ class Link:
         self._sent_seq = 0
         self.in_sync = hello.digest == self.node.view.digest
         self._events.append(Established(hello.node, hello.incarnation))
+        n = self.node.neighbours
+        n[hello.node] = n.get(hello.node, 0) + 1
+
+    def _closed(self, reason: str, err: ProtocolError | None = None) -> None:
+        self._events.append(Closed(reason, err))
+        if self.peer is not None:  # established: we counted it among the neighbours
+            n = self.node.neighbours
+            n[self.peer] -= 1
+            if n[self.peer] <= 0:
+                del n[self.peer]
+
+    def _note_peer_links(self, links: tuple[str, ...]) -> None:
+        # Never skip our own records (the peer is linked to us, of course), and never
+        # send the peer its own (it ignores any record of itself it did not make).
+        me = self.node.node_id
+        skip = set(links)
+        skip.discard(me)
+        if self.peer is not None:
+            skip.add(self.peer)
+        gone = self._peer_links - skip
+        self._peer_links = frozenset(skip)
+        if gone:
+            # The peer lost its link to these origins: what we skipped of theirs is
+            # owed again (the known stamps filter out what the peer already has).
+            self._backlog.extend(r for r in self.node.view if r.origin in gone)
+
+    def _links(self) -> tuple[str, ...]:
+        return tuple(sorted(self.node.neighbours))
 
     def _take(self, records: tuple[Record, ...], digest: bytes, peer_matched: bool) -> None:
         for rec in records:
@@ -392,13 +424,19 @@ class Link:
         if kept:
             self._events.append(RecordsMerged(tuple(kept)))
         self.in_sync = digest == self.node.view.digest
+        if self.in_sync:
+            # The peer held, when it sent this, exactly our view now: nothing changed
+            # before this point needs sending, whatever our bookkeeping says.
+            self._sent_seq = self.node.view.seq
+            self._backlog = []
         self._peer_matched = peer_matched
         self.mutual = self.in_sync and peer_matched
 
     def _send_tick(self, records: list[Record]) -> None:
         self._fire(Ev.SEND_TICK)
         self.seq += 1
-        self._emit(Tick(self.seq, self.node.view.digest, self.in_sync, tuple(records)))
+        view = self.node.view
+        self._emit(Tick(self.seq, view.digest, self.in_sync, tuple(records), self._links()))
         self._mark_sent(records)
 
     # -- deltas -------------------------------------------------------------------
@@ -411,7 +449,7 @@ class Link:
     def _has_deltas(self) -> bool:
         if self._backlog:
             return True
-        return self.node.view.any_changed_since(self._sent_seq, self._peer_known)
+        return self.node.view.any_changed_since(self._sent_seq, self._peer_known, self._peer_links)
 
     def _deltas(self) -> list[Record]:
         """Records the peer lacks as far as we know, within the frame budget."""
@@ -427,7 +465,7 @@ class Link:
         seen: set[RecordKey] = set()
         for i, rec in enumerate(pending):
             current = view.get(rec.key) or rec
-            if current.key in seen:
+            if current.key in seen or current.origin in self._peer_links:
                 continue
             s = known.get(current.key)
             if s is not None and current.stamp <= s:

@@ -47,6 +47,9 @@ class Tick:
     match: bool
     """After merging the peer's last message our digest equalled the peer's."""
     records: tuple[Record, ...]
+    links: tuple[str, ...] = ()
+    """The nodes the sender has an established link with (sorted). The peer does not
+    relay to us records whose origin is one of them: that origin sends them itself."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +60,8 @@ class Tock:
     digest: bytes
     match: bool
     records: tuple[Record, ...]
+    links: tuple[str, ...] = ()
+    """As in `Tick`."""
 
 
 @dataclass(frozen=True, slots=True)

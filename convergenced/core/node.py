@@ -148,6 +148,10 @@ class NodeCore:
         self._version = 0
         self.pending_facts: list[Fact] = []
         self.events: list[NodeEvent] = []
+        self.neighbours: dict[str, int] = {}
+        """Established links per peer node, kept by the links themselves (a count:
+        a reconnect may briefly overlap the link it replaces). Peers learn this set
+        from our TICKs and TOCKs and stop relaying those nodes' records to us."""
 
     # -- facts ----------------------------------------------------------------
 

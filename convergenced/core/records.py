@@ -381,8 +381,14 @@ class View:
         keys = dict.fromkeys(k for _, k in self._log[lo:])
         return [self._records[k] for k in keys]
 
-    def any_changed_since(self, seq: int, known: dict[RecordKey, tuple[int, int]]) -> bool:
-        """Whether a record changed after ``seq`` is newer than ``known`` says.
+    def any_changed_since(
+        self,
+        seq: int,
+        known: dict[RecordKey, tuple[int, int]],
+        skip_origins: frozenset[str] = frozenset(),
+    ) -> bool:
+        """Whether a record changed after ``seq`` is newer than ``known`` says
+        (records whose origin is in ``skip_origins`` do not count).
 
         Scans lazily from the newest change backwards and stops at the first hit, so
         a link that has not sent for a while does not copy the whole log slice.
@@ -393,6 +399,8 @@ class View:
             s, key = log[i]
             if s <= seq:
                 return False
+            if key[1] in skip_origins:
+                continue
             rec = records[key]
             stamp = known.get(key)
             if stamp is None or rec.stamp > stamp:

@@ -201,6 +201,7 @@ def message_to_obj(msg: Message) -> Any:
             "digest": msg.digest,
             "match": msg.match,
             "records": [r.to_wire() for r in msg.records],
+            "links": list(msg.links),
         }
     if isinstance(msg, Nudge):
         return {}
@@ -216,13 +217,14 @@ def encode_message(msg: Message) -> bytes:
     if isinstance(msg, Tick | Tock):
         packer = msgpack.Packer(use_bin_type=True)
         head = (
-            packer.pack_map_header(4)
+            packer.pack_map_header(5)
             + packer.pack("seq") + packer.pack(msg.seq)
             + packer.pack("digest") + packer.pack(msg.digest)
             + packer.pack("match") + packer.pack(msg.match)
             + packer.pack("records") + packer.pack_array_header(len(msg.records))
         )  # fmt: skip
-        body = b"".join([head, *(r.packed() for r in msg.records)])
+        tail = packer.pack("links") + packer.pack(list(msg.links))
+        body = b"".join([head, *(r.packed() for r in msg.records), tail])
         return encode_frame(MESSAGE_TYPES[type(msg)], body)
     return encode_frame(MESSAGE_TYPES[type(msg)], pack(message_to_obj(msg)))
 
@@ -266,8 +268,10 @@ def message_from_obj(kind: MessageType, obj: Any, limits: WireLimits) -> Message
             summary=tuple(summary),
         )
     if kind in (MessageType.TICK, MessageType.TOCK):
-        exact_keys(m, name, ("seq", "digest", "match", "records"))
+        exact_keys(m, name, ("seq", "digest", "match", "records", "links"))
         raw = as_list(m["records"], f"{name}.records", max_len=limits.max_records)
+        raw_links = as_list(m["links"], f"{name}.links", max_len=limits.max_summary)
+        links = tuple(as_name(n, f"{name}.links[{i}]") for i, n in enumerate(raw_links))
         records = tuple(Record.from_wire(r, f"{name}.records[{i}]") for i, r in enumerate(raw))
         cls = Tick if kind is MessageType.TICK else Tock
         return cls(
@@ -275,6 +279,7 @@ def message_from_obj(kind: MessageType, obj: Any, limits: WireLimits) -> Message
             digest=_digest(m["digest"], f"{name}.digest"),
             match=as_bool(m["match"], f"{name}.match"),
             records=records,
+            links=links,
         )
     if kind is MessageType.NUDGE:
         exact_keys(m, name, ())

@@ -166,7 +166,7 @@ class _Validator:
         if not isinstance(value, str) or not NAME_RE.match(value):
             raise self.fail(
                 key,
-                f"{value!r}; expected 1-128 of A-Z a-z 0-9 . _ / -, "
+                f"{value!r}; expected 1-128 of A-Z a-z 0-9 . _ / - (no spaces), "
                 "starting with a letter or digit",
             )
         return value

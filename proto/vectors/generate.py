@@ -120,6 +120,10 @@ VALID: list[tuple[str, Message]] = [
         ),
     ),
     ("tick_heartbeat", Tick(seq=1, digest=VIEW_DIGEST, match=True, records=())),
+    (
+        "tick_with_links",
+        Tick(seq=2, digest=VIEW_DIGEST, match=True, records=(), links=("node-b", "node-c")),
+    ),
     ("tock_with_record", Tock(seq=7, digest=OTHER_DIGEST, match=False, records=(EMPTY_RECORD,))),
     ("tock_in_sync", Tock(seq=INT64_MAX, digest=VIEW_DIGEST, match=True, records=())),
     ("nudge", Nudge()),
@@ -165,6 +169,7 @@ def message_json(msg: Message) -> dict[str, Any]:
             "digest": msg.digest.hex(),
             "match": msg.match,
             "records": [record_json(r) for r in msg.records],
+            "links": list(msg.links),
         }
     if isinstance(msg, Nudge):
         return {}
@@ -282,6 +287,10 @@ MALFORMED: list[tuple[str, Callable[[], bytes], str, str]] = [
      "NUDGE: unknown field 'seq'"),
     ("missing_field", lambda: frame(TICK, tick_body(match=DROP)), "invalid_field",
      "TICK: missing field 'match'"),
+    ("links_not_array", lambda: frame(TICK, tick_body(links="node-b")), "invalid_field",
+     "TICK.links: expected an array"),
+    ("links_bad_name", lambda: frame(TICK, tick_body(links=["ok", "bad name"])), "invalid_field",
+     "TICK.links[1]"),
     ("seq_as_string", lambda: frame(TICK, tick_body(seq="7")), "invalid_field",
      "TICK.seq: expected an integer"),
     ("seq_as_float", lambda: frame(TICK, tick_body(seq=7.0)), "invalid_field",
