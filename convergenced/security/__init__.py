@@ -1,0 +1,53 @@
+"""Who may change what a node believes: identities, signatures, certificates, TLS.
+
+Why a package of its own: the daemon, the command line (``keygen``, ``ca init``,
+``ca issue``, ``cluster``) and offline tools all need the same pieces, so they are
+synchronous and free of trio, and the sans-IO core does not depend on them.
+
+- `identity`: each node's Ed25519 key, record signing over the canonical body
+  (PROTOCOL.md 7.2), and the trust list that verifies relayed records (cached, with
+  rejection counters).
+- `pki`: a small cluster CA (ECDSA P-256) that issues node certificates naming the
+  node id in a ``convergenced://node/<id>`` URI.
+- `tls`: TLS 1.3 mutual-authentication contexts for peer links and the peer's node
+  id from its certificate.
+"""
+
+from __future__ import annotations
+
+from convergenced.security.identity import (
+    IdentityError,
+    NodeIdentity,
+    RejectReason,
+    TrustList,
+    VerifyStats,
+    parse_trust_list,
+)
+from convergenced.security.pki import PkiError, init_ca, issue, node_id_from_cert
+from convergenced.security.tls import (
+    PeerIdentityError,
+    TlsConfigError,
+    check_peer,
+    client_context,
+    peer_node_id,
+    server_context,
+)
+
+__all__ = [
+    "IdentityError",
+    "NodeIdentity",
+    "PeerIdentityError",
+    "PkiError",
+    "RejectReason",
+    "TlsConfigError",
+    "TrustList",
+    "VerifyStats",
+    "check_peer",
+    "client_context",
+    "init_ca",
+    "issue",
+    "node_id_from_cert",
+    "parse_trust_list",
+    "peer_node_id",
+    "server_context",
+]

@@ -1,0 +1,613 @@
+"""Node identity (Ed25519), record signatures and the cluster's trust list.
+
+Why: records travel through relays (the overlay past ``mesh_limit`` nodes), so the
+link a record arrives on says nothing about who wrote it. Each origin therefore signs
+its records with its own Ed25519 key, over the canonical body of PROTOCOL.md 7.2
+(`Record.body_bytes`, the same bytes the fingerprint hashes), and every node checks
+that signature against the trust list (node id -> public key, from configuration)
+before it merges a relayed record.
+
+Verification is the expensive part (tens of microseconds per record, see the
+measurements in the security report), and a record version crosses a node many times
+(once per link, again after every reconnect replay), so `TrustList` caches positive
+results by ``(origin, incarnation, version, fingerprint)``. The cached value is the
+signature that was checked: a copy of the same body carrying a *different* signature
+misses the cache and is verified afresh. Without that, a forger could attach garbage
+to a body we already trust and, because merge prefers the larger signature on equal
+bodies (7.3 rule 3), replace the good copy in our view and poison what we relay.
+
+Rejections are never cached (they would let garbage evict good entries) and are
+counted by reason, the labels of the daemon's rejection metric.
+
+Identity files are PEM PKCS#8 keys with RFC 7468 "explanatory text" above the PEM
+block naming the node and its public key, so ``openssl pkey`` reads them unchanged and
+an operator can see whose key a file holds without extracting anything. They are
+written atomically (temporary file, fsync, link or rename, fsync of the directory)
+with mode 0600, and never silently overwritten: replacing a node's key changes its
+identity for the whole cluster.
+
+Everything here is synchronous and free of trio, so the daemon, the CLI and offline
+tools share it.
+"""
+
+from __future__ import annotations
+
+import binascii
+import contextlib
+import dataclasses
+import os
+import stat
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import (
+    Ed25519PrivateKey,
+    Ed25519PublicKey,
+)
+
+from convergenced.core.errors import ConvergencedError, LocalProtocolError
+from convergenced.core.records import SIGNATURE_LEN, Record
+from convergenced.core.validate import NAME_RE
+from convergenced.daemon.config import ConfigError
+
+PUBLIC_KEY_LEN = 32
+DEFAULT_CACHE_SIZE = 65536
+_HEADER_TITLE = (
+    "convergenced node identity (Ed25519). Keep it secret: whoever holds this file "
+    "speaks for the node."
+)
+
+
+class IdentityError(ConvergencedError):
+    """An identity file is missing, unreadable, corrupt, too open, or for another node.
+
+    The message starts with the file's path when there is one (``path`` holds it).
+    """
+
+    def __init__(self, path: Path | str | None, problem: str) -> None:
+        super().__init__(f"{path}: {problem}" if path is not None else problem)
+        self.path = None if path is None else str(path)
+
+
+# -- files ----------------------------------------------------------------------
+
+
+def write_file_atomic(
+    path: Path | str, data: bytes, *, mode: int = 0o600, overwrite: bool = False
+) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the new one, whole.
+
+    The data goes to a temporary file in the same directory (mode ``mode`` from the
+    start), is fsynced, then appears under ``path`` by ``link`` (which refuses an
+    existing name, so two writers cannot both win) or, with ``overwrite``, by
+    ``rename``; finally the directory is fsynced so the name survives a crash.
+
+    Raises:
+        FileExistsError: ``path`` exists and ``overwrite`` is false.
+        OSError: the directory is missing or not writable, the disk is full...
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), mode)
+    try:
+        try:
+            os.fchmod(fd, mode)  # exactly `mode`, whatever the umask
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if overwrite:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise
+            except OSError:
+                # Some file systems have no hard links; fall back to check-then-rename.
+                if path.exists():
+                    raise FileExistsError(f"{path} exists") from None
+                os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check_private_mode(path: Path | str, st: os.stat_result) -> str | None:
+    """Why ``path`` is too open for a private key (group/other bits set), or None."""
+    bits = stat.S_IMODE(st.st_mode)
+    if bits & 0o077:
+        return f"permissions {bits:04o} are too open for a private key; run: chmod 600 {path}"
+    return None
+
+
+# -- Ed25519 helpers ---------------------------------------------------------------
+
+# Curve25519 in twisted Edwards form, for the small-order check below only (signing
+# and verification are cryptography's/OpenSSL's).
+_P = 2**255 - 19
+_D = (-121665 * pow(121666, -1, _P)) % _P
+_SQRT_M1 = pow(2, (_P - 1) // 4, _P)
+
+
+def _decode_point(raw: bytes) -> tuple[int, int] | None:
+    y = int.from_bytes(raw, "little") & ((1 << 255) - 1)
+    sign = raw[31] >> 7
+    if y >= _P:
+        return None
+    x2 = (y * y - 1) * pow(_D * y * y + 1, -1, _P) % _P
+    x = pow(x2, (_P + 3) // 8, _P)
+    if (x * x - x2) % _P:
+        x = x * _SQRT_M1 % _P
+    if (x * x - x2) % _P:
+        return None
+    if x == 0 and sign:
+        return None
+    if x & 1 != sign:
+        x = _P - x
+    return x, y
+
+
+def _double(pt: tuple[int, int, int]) -> tuple[int, int, int]:
+    """Projective doubling on -x^2 + y^2 = 1 + d x^2 y^2 (dbl-2008-bbjlp): no inversions."""
+    x, y, z = pt
+    b = (x + y) * (x + y) % _P
+    c = x * x % _P
+    d = y * y % _P
+    f = (d - c) % _P
+    j = (f - 2 * z * z) % _P
+    return (b - c - d) * j % _P, f * (-c - d) % _P, f * j % _P
+
+
+def is_weak_public_key(raw: bytes) -> bool:
+    """True when ``raw`` is not a usable Ed25519 public key.
+
+    That is: not 32 bytes, not a canonical point on the curve, or a point of small
+    order (such as all zeros or the identity ``01 00 .. 00``). OpenSSL accepts small-
+    order keys, and with one anyone can forge signatures that verify under it, so a
+    trust list must never contain one.
+    """
+    if len(raw) != PUBLIC_KEY_LEN:
+        return True
+    affine = _decode_point(raw)
+    if affine is None:
+        return True
+    pt = (affine[0], affine[1], 1)
+    for _ in range(3):
+        pt = _double(pt)
+    x, y, z = pt
+    return x == 0 and (y - z) % _P == 0  # 8P is the neutral element (0, 1)
+
+
+def public_key_from_hex(text: str) -> bytes:
+    """Raw public key bytes from 64 hex digits (case-insensitive).
+
+    Raises:
+        ValueError: not 64 hex digits, or a weak key (see `is_weak_public_key`).
+    """
+    if len(text) != 2 * PUBLIC_KEY_LEN:
+        raise ValueError(f"expected {2 * PUBLIC_KEY_LEN} hex digits, got {len(text)} characters")
+    try:
+        raw = binascii.unhexlify(text)
+    except (binascii.Error, ValueError):
+        raise ValueError("not hexadecimal") from None
+    if is_weak_public_key(raw):
+        raise ValueError("not a valid Ed25519 public key (off the curve or of small order)")
+    return raw
+
+
+# -- node identity -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class NodeIdentity:
+    """A node id and its Ed25519 private key: what the node signs its records with.
+
+    Compared by identity (``is``), never by value: two objects with one node id may
+    hold different keys.
+    """
+
+    node_id: str
+    private_key: Ed25519PrivateKey = field(repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.node_id, str) or not NAME_RE.match(self.node_id):
+            raise IdentityError(
+                None,
+                f"node id {self.node_id!r}: expected 1-128 of A-Z a-z 0-9 . _ / -, "
+                "starting with a letter or digit",
+            )
+
+    @classmethod
+    def generate(cls, node_id: str) -> NodeIdentity:
+        """A fresh random identity for ``node_id``.
+
+        Raises:
+            IdentityError: ``node_id`` is not a valid name.
+        """
+        return cls(node_id, Ed25519PrivateKey.generate())
+
+    def public_key_bytes(self) -> bytes:
+        """The raw 32-byte public key (what the trust list holds)."""
+        return self.private_key.public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        )
+
+    def public_key_hex(self) -> str:
+        """The public key as 64 lower-case hex digits (the trust list's TOML form)."""
+        return self.public_key_bytes().hex()
+
+    def trust_entry(self) -> str:
+        """This node's line for a ``[trust]`` table: ``"node-1" = "<hex>"``."""
+        return f'"{self.node_id}" = "{self.public_key_hex()}"'
+
+    def sign(self, data: bytes) -> bytes:
+        """Ed25519 signature (64 bytes) of ``data``."""
+        return self.private_key.sign(data)
+
+    def sign_record(self, record: Record) -> Record:
+        """``record`` with its signature set: Ed25519 over the canonical body (7.2).
+
+        The result has the same fingerprint (the signature is not part of the body);
+        signing is deterministic, so re-signing gives identical bytes.
+
+        Raises:
+            LocalProtocolError: the record's origin is another node (a node signs
+                only what it publishes itself; relays forward records unchanged).
+        """
+        if record.origin != self.node_id:
+            raise LocalProtocolError(
+                f"cannot sign a record of origin {record.origin!r} as {self.node_id!r}",
+                reason="foreign_origin",
+            )
+        signature = self.sign(record.body_bytes())
+        # `_packed` caches the wire bytes, which include the signature: drop it. The
+        # cached fingerprint stays valid (same body).
+        return dataclasses.replace(record, signature=signature, _packed=b"")
+
+    def to_pem(self) -> bytes:
+        """The file form: explanatory header lines, then the PKCS#8 PEM block."""
+        pem = self.private_key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+        header = (
+            f"{_HEADER_TITLE}\nnode-id: {self.node_id}\npublic-key: {self.public_key_hex()}\n\n"
+        )
+        return header.encode() + pem
+
+    def save(self, path: Path | str, *, overwrite: bool = False) -> None:
+        """Write the identity to ``path`` atomically, mode 0600.
+
+        Raises:
+            IdentityError: ``path`` exists (and ``overwrite`` is false) or cannot be
+                written; the message names the file.
+        """
+        try:
+            write_file_atomic(path, self.to_pem(), mode=0o600, overwrite=overwrite)
+        except FileExistsError:
+            raise IdentityError(
+                path,
+                "already exists; refusing to replace a node identity (the cluster's trust "
+                "list names its public key). Remove it first or pass overwrite",
+            ) from None
+        except OSError as exc:
+            raise IdentityError(path, f"cannot write: {exc.strerror or exc}") from None
+
+    @classmethod
+    def load(
+        cls, path: Path | str, node_id: str | None = None, *, check_mode: bool = True
+    ) -> NodeIdentity:
+        """Read an identity written by `save` (or any PKCS#8 Ed25519 PEM key).
+
+        Args:
+            path: the file.
+            node_id: the node id expected (from configuration). Required when the file
+                has no ``node-id:`` line; otherwise it must match that line.
+            check_mode: refuse a file that group or others may read, as ssh does.
+
+        Raises:
+            IdentityError: naming ``path``: missing, unreadable, too open, not an
+                Ed25519 PEM key, header inconsistent with the key, or another node's.
+        """
+        path = Path(path)
+        try:
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                data = f.read(1 << 16)
+        except FileNotFoundError:
+            raise IdentityError(path, "not found (create one with: convergenced keygen)") from None
+        except OSError as exc:
+            raise IdentityError(path, f"cannot read: {exc.strerror or exc}") from None
+        if check_mode:
+            problem = check_private_mode(path, st)
+            if problem:
+                raise IdentityError(path, problem)
+        headers = _explanatory_headers(data)
+        try:
+            key: Any = serialization.load_pem_private_key(data, password=None)
+        except (ValueError, TypeError) as exc:
+            reason = str(exc).split(". See https://", 1)[0]
+            raise IdentityError(path, f"not a PEM private key ({reason})") from None
+        except Exception as exc:  # cryptography raises its own types for odd encodings
+            raise IdentityError(path, f"not a PEM private key ({type(exc).__name__})") from None
+        if not isinstance(key, Ed25519PrivateKey):
+            raise IdentityError(path, f"holds a {type(key).__name__}, expected an Ed25519 key")
+        named = headers.get("node-id")
+        if named is None and node_id is None:
+            raise IdentityError(path, "has no 'node-id:' line; pass the node id")
+        if named is not None and node_id is not None and named != node_id:
+            raise IdentityError(path, f"is the identity of {named!r}, not of {node_id!r}")
+        try:
+            identity = cls(node_id or named or "", key)
+        except IdentityError as exc:
+            raise IdentityError(path, str(exc)) from None
+        pub = headers.get("public-key")
+        if pub is not None and pub.lower() != identity.public_key_hex():
+            raise IdentityError(
+                path, "'public-key:' line does not match the key (file edited or corrupt)"
+            )
+        return identity
+
+
+def _explanatory_headers(data: bytes) -> dict[str, str]:
+    """``name: value`` lines above the PEM block (RFC 7468 explanatory text)."""
+    out: dict[str, str] = {}
+    for raw in data.split(b"\n"):
+        line = raw.decode("utf-8", "replace").strip()
+        if line.startswith("-----BEGIN"):
+            break
+        name, sep, value = line.partition(":")
+        if sep and name in ("node-id", "public-key"):
+            out[name] = value.strip()
+    return out
+
+
+# -- trust list and verification -------------------------------------------------
+
+
+class RejectReason(StrEnum):
+    """Why `TrustList.check` refused a record (the rejection metric's label)."""
+
+    UNKNOWN_ORIGIN = "unknown_origin"
+    """The origin is not in the trust list: not a member of this cluster."""
+    BAD_SIGNATURE = "bad_signature"
+    """Signed, but not by the origin's key over this body: forged or tampered with."""
+    UNSIGNED = "unsigned"
+    """No signature, and it did not arrive from its origin over an authenticated link."""
+
+
+@dataclass(slots=True)
+class VerifyStats:
+    """Counters of `TrustList`; every field only ever grows."""
+
+    verified: int = 0
+    """Ed25519 verifications that succeeded (each a cache miss)."""
+    cache_hits: int = 0
+    """Records accepted from the cache, no cryptography run."""
+    link_trusted: int = 0
+    """Records accepted because they came straight from their origin's mTLS link."""
+    rejected: dict[RejectReason, int] = field(
+        default_factory=lambda: dict.fromkeys(RejectReason, 0)
+    )
+
+    def as_dict(self) -> dict[str, int]:
+        """Flat form for metrics and status: ``rejected_<reason>`` per reason."""
+        out = {
+            "verified": self.verified,
+            "cache_hits": self.cache_hits,
+            "link_trusted": self.link_trusted,
+        }
+        out.update({f"rejected_{r.value}": n for r, n in self.rejected.items()})
+        return out
+
+
+_CacheKey = tuple[str, int, int, bytes]
+
+
+class TrustList:
+    """The cluster's node id -> Ed25519 public key map, and the record verifier.
+
+    Not thread-safe (the daemon runs it on its one trio thread).
+    """
+
+    __slots__ = ("_cache", "_cache_size", "_keys", "_raw", "stats")
+
+    def __init__(
+        self, keys: Mapping[str, bytes] | None = None, *, cache_size: int = DEFAULT_CACHE_SIZE
+    ) -> None:
+        """Build from raw 32-byte public keys.
+
+        Args:
+            keys: node id -> raw public key.
+            cache_size: record versions remembered as verified (LRU); 0 disables it.
+
+        Raises:
+            ValueError: a bad node id, a weak or malformed key, or a negative size.
+        """
+        if cache_size < 0:
+            raise ValueError(f"cache_size {cache_size} is negative")
+        self._cache_size = cache_size
+        self._cache: OrderedDict[_CacheKey, bytes] = OrderedDict()
+        self._raw: dict[str, bytes] = {}
+        self._keys: dict[str, Ed25519PublicKey] = {}
+        self.stats = VerifyStats()
+        for node_id, raw in (keys or {}).items():
+            self._add(node_id, raw)
+
+    def _add(self, node_id: str, raw: bytes) -> None:
+        if not isinstance(node_id, str) or not NAME_RE.match(node_id):
+            raise ValueError(f"node id {node_id!r} is not a valid name")
+        if not isinstance(raw, bytes) or is_weak_public_key(raw):
+            raise ValueError(f"{node_id}: not a valid 32-byte Ed25519 public key")
+        self._raw[node_id] = raw
+        self._keys[node_id] = Ed25519PublicKey.from_public_bytes(raw)
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+    def __contains__(self, node_id: object) -> bool:
+        return node_id in self._raw
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._raw))
+
+    def public_key(self, node_id: str) -> bytes | None:
+        """The raw public key trusted for ``node_id``, if any."""
+        return self._raw.get(node_id)
+
+    def items(self) -> list[tuple[str, bytes]]:
+        """(node id, raw key) pairs, sorted by node id."""
+        return sorted(self._raw.items())
+
+    @property
+    def cache_size(self) -> int:
+        """Capacity of the verification cache."""
+        return self._cache_size
+
+    @property
+    def cached(self) -> int:
+        """Record versions currently in the verification cache."""
+        return len(self._cache)
+
+    def replace_keys(self, keys: Mapping[str, bytes]) -> None:
+        """Swap in a new key set (configuration reload); keeps the counters.
+
+        Cache entries of origins whose key changed or disappeared are dropped, so a
+        revoked key stops vouching for records at once.
+
+        Raises:
+            ValueError: as the constructor; nothing changes then.
+        """
+        fresh = TrustList(keys, cache_size=0)
+        changed = {n for n in self._raw if fresh._raw.get(n) != self._raw[n]}
+        self._raw, self._keys = fresh._raw, fresh._keys
+        if changed:
+            for k in [k for k in self._cache if k[0] in changed]:
+                del self._cache[k]
+
+    def check(self, record: Record, *, link_peer: str | None = None) -> RejectReason | None:
+        """Why ``record`` must not be merged, or None when it may be.
+
+        Args:
+            record: a decoded record (any stream).
+            link_peer: the node id the arriving link authenticated by mutual TLS, if
+                any. A record whose origin is that peer rests on the link's
+                authentication and is accepted without running Ed25519 (even
+                unsigned). Anything relayed must carry a valid signature, so once
+                records are relayed (the overlay) origins must sign every record:
+                an unsigned copy accepted here cannot be relayed, and since the
+                signature is not in the fingerprint, digests and summaries never
+                show that a peer holds a signed copy of it instead.
+
+        Never raises for any record.
+        """
+        origin = record.origin
+        key = self._keys.get(origin)
+        if key is None:
+            return self._reject(RejectReason.UNKNOWN_ORIGIN)
+        if link_peer is not None and origin == link_peer:
+            self.stats.link_trusted += 1
+            return None
+        signature = record.signature
+        if not signature:
+            return self._reject(RejectReason.UNSIGNED)
+        if len(signature) != SIGNATURE_LEN:
+            return self._reject(RejectReason.BAD_SIGNATURE)
+        ck: _CacheKey = (origin, record.incarnation, record.version, record.fingerprint)
+        cache = self._cache
+        held = cache.get(ck)
+        if held is not None and held == signature:
+            cache.move_to_end(ck)
+            self.stats.cache_hits += 1
+            return None
+        try:
+            key.verify(signature, record.body_bytes())
+        except InvalidSignature:
+            return self._reject(RejectReason.BAD_SIGNATURE)
+        except Exception:  # any other failure of the backend still means "not verified"
+            return self._reject(RejectReason.BAD_SIGNATURE)
+        self.stats.verified += 1
+        if self._cache_size:
+            cache[ck] = signature
+            cache.move_to_end(ck)
+            if len(cache) > self._cache_size:
+                cache.popitem(last=False)
+        return None
+
+    def verify(self, record: Record, *, link_peer: str | None = None) -> bool:
+        """True when ``record`` may be merged (see `check`); never raises."""
+        return self.check(record, link_peer=link_peer) is None
+
+    def _reject(self, reason: RejectReason) -> RejectReason:
+        self.stats.rejected[reason] += 1
+        return reason
+
+
+def parse_trust_list(
+    table: Any, source: str = "<config>", *, cache_size: int = DEFAULT_CACHE_SIZE
+) -> TrustList:
+    """Validate a TOML ``[trust]`` table: node id = 64 hex digits of its public key.
+
+    Example::
+
+        [trust]
+        node-1 = "3d4017c3e843895a92b70aa74d1b7ebc9c982ccf2ec4968cc0cd55f12af4660c"
+        "rack2/gpu-7" = "..."
+
+    Args:
+        table: the parsed value of the ``trust`` key.
+        source: the configuration file, for error messages.
+        cache_size: passed to `TrustList`.
+
+    Raises:
+        ConfigError: naming ``source`` and the key (``trust.node-1``): not a table, a
+            bad node id, a malformed or weak key, or one key listed for two nodes
+            (which would let either node speak for the other).
+    """
+    if not isinstance(table, Mapping):
+        raise ConfigError(source, "trust", 'expected a table: [trust] node-1 = "<hex key>"')
+    keys: dict[str, bytes] = {}
+    owner: dict[bytes, str] = {}
+    for node_id, value in table.items():
+        where = f"trust.{node_id}"
+        if not isinstance(node_id, str) or not NAME_RE.match(node_id):
+            raise ConfigError(
+                source,
+                where,
+                "not a node id; expected 1-128 of A-Z a-z 0-9 . _ / -, "
+                "starting with a letter or digit",
+            )
+        if not isinstance(value, str):
+            raise ConfigError(
+                source, where, f"{value!r}; expected the node's public key as 64 hex digits"
+            )
+        try:
+            raw = public_key_from_hex(value.strip())
+        except ValueError as exc:
+            raise ConfigError(source, where, f"{value!r}: {exc}") from None
+        if raw in owner:
+            raise ConfigError(
+                source, where, f"same public key as {owner[raw]!r}; every node needs its own key"
+            )
+        owner[raw] = node_id
+        keys[node_id] = raw
+    return TrustList(keys, cache_size=cache_size)
