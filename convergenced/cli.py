@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from convergenced import __version__
+from convergenced.core.errors import ConvergencedError
 
 DEFAULT_CONFIG = Path("/etc/convergenced/convergenced.toml")
 
@@ -51,8 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
         "cluster",
         help="write the configuration of an N-node cluster on loopback",
         description="Write DIR/node-K.toml for K = 1..N (each node with its own state "
-        "directory and socket under DIR/node-K/ and every other node as a peer). Start "
-        "each node with: convergenced run --config DIR/node-K.toml",
+        "directory and socket under DIR/node-K/ and every other node as a peer), plus "
+        "the cluster CA (DIR/ca/), a TLS certificate, an Ed25519 identity and the trust "
+        "list for every node. Start each node with: convergenced run --config "
+        "DIR/node-K.toml. Exit 0 on success, 2 on bad arguments.",
     )
     cluster.add_argument("--nodes", type=int, required=True, metavar="N")
     cluster.add_argument("--dir", type=Path, required=True, metavar="DIR")
@@ -65,6 +68,61 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cluster.add_argument("--cluster", default="local", help="cluster name (default local)")
     cluster.add_argument("--tick-ms", type=int, default=50, help="link timer period")
+    cluster.add_argument(
+        "--insecure",
+        action="store_true",
+        help="plaintext links and unsigned records, no keys or certificates (throwaway "
+        "clusters only; the daemons warn about it at start and in every status)",
+    )
+
+    keygen = sub.add_parser(
+        "keygen",
+        help="create this node's Ed25519 identity (signs its records)",
+        description="Write a new Ed25519 identity for NODE_ID to FILE (mode 0600; an "
+        "existing file is kept unless --force), and print the line every other node "
+        "puts in its [trust] table. Exit 0 on success, 1 on failure.",
+    )
+    keygen.add_argument("node_id", metavar="NODE_ID")
+    keygen.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        metavar="FILE",
+        help="where to write the key (the config's identity key)",
+    )
+    keygen.add_argument("--force", action="store_true", help="replace an existing file")
+
+    ca = sub.add_parser(
+        "ca",
+        help="a small certificate authority for the peer links' mutual TLS",
+        description="ca init DIR creates the cluster CA (ca.crt, ca.key); ca issue NODE_ID "
+        "--dir DIR writes NODE_ID.crt and NODE_ID.key signed by it. Copy ca.crt and each "
+        "node's pair to that node; keep ca.key off the fleet. Exit 0 on success, 1 on failure.",
+    )
+    ca_sub = ca.add_subparsers(dest="ca_command", metavar="ACTION", required=True)
+    ca_init = ca_sub.add_parser("init", help="create the CA in DIR")
+    ca_init.add_argument("dir", type=Path, metavar="DIR")
+    ca_init.add_argument("--name", default="convergenced-ca", help="the CA's common name")
+    ca_init.add_argument("--days", type=int, default=3650, help="validity (default 3650)")
+    ca_issue = ca_sub.add_parser("issue", help="issue a node certificate")
+    ca_issue.add_argument("node_id", metavar="NODE_ID")
+    ca_issue.add_argument("--dir", type=Path, required=True, metavar="DIR", help="the CA")
+    ca_issue.add_argument(
+        "--out",
+        type=Path,
+        metavar="DIR",
+        help="where to write the pair (default: the CA directory)",
+    )
+    ca_issue.add_argument(
+        "--host",
+        action="append",
+        default=None,
+        metavar="NAME_OR_IP",
+        help="a host name or IP the node is reached at (repeatable; "
+        "default 127.0.0.1 and localhost)",
+    )
+    ca_issue.add_argument("--days", type=int, default=825, help="validity (default 825)")
+    ca_issue.add_argument("--force", action="store_true", help="replace existing files")
 
     sim = sub.add_parser(
         "sim",
@@ -111,13 +169,59 @@ def _cluster(args: argparse.Namespace) -> int:
 
     try:
         paths = write_cluster(
-            args.dir, args.nodes, args.base_port, cluster=args.cluster, tick_ms=args.tick_ms
+            args.dir,
+            args.nodes,
+            args.base_port,
+            cluster=args.cluster,
+            tick_ms=args.tick_ms,
+            insecure=args.insecure,
         )
-    except ValueError as exc:
+    except (ValueError, ConvergencedError) as exc:
         print(f"convergenced cluster: {exc}", file=sys.stderr)
         return 2
     for p in paths:
         print(f"convergenced run --config {p}")
+    return 0
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    from convergenced.security.identity import NodeIdentity
+
+    try:
+        identity = NodeIdentity.generate(args.node_id)
+        args.out.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        identity.save(args.out, overwrite=args.force)
+    except (ConvergencedError, OSError) as exc:
+        hint = " (--force replaces it)" if "exists" in str(exc) else ""
+        print(f"convergenced keygen: {exc}{hint}", file=sys.stderr)
+        return 1
+    print(f"# {args.out}: identity of {args.node_id}; in every node's [trust] table:")
+    print(identity.trust_entry())
+    return 0
+
+
+def _ca(args: argparse.Namespace) -> int:
+    from convergenced.security import pki
+
+    try:
+        if args.ca_command == "init":
+            files = pki.init_ca(args.dir, name=args.name, days=args.days)
+            print(f"CA certificate {files.cert}, key {files.key} (keep the key off the fleet)")
+        else:
+            hosts = tuple(args.host) if args.host else pki.DEFAULT_HOSTS
+            node = pki.issue(
+                args.dir,
+                args.node_id,
+                days=args.days,
+                hosts=hosts,
+                out_dir=args.out,
+                overwrite=args.force,
+            )
+            print(f"{args.node_id}: certificate {node.cert}, key {node.key}")
+    except (ConvergencedError, OSError) as exc:
+        hint = " (--force replaces it)" if "exists" in str(exc) else ""
+        print(f"convergenced ca: {exc}{hint}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -132,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
     if args.command == "cluster":
         return _cluster(args)
+    if args.command == "keygen":
+        return _keygen(args)
+    if args.command == "ca":
+        return _ca(args)
     if args.command == "sim":
         from convergenced.sim import runner
 

@@ -55,11 +55,11 @@ class LocalCluster:
         self.dir = Path(tempfile.mkdtemp(prefix="cvg-", dir="/tmp"))
         self.base_port = free_base_port(nodes)
         self.configs = write_cluster(self.dir, nodes, self.base_port, tick_ms=tick_ms)
-        if extra:
+        if extra:  # top-level keys: they go before the first table
             for path in self.configs:
                 text = path.read_text()
-                head, sep, rest = text.partition("[[peers]]")
-                path.write_text(head + extra + "\n" + sep + rest)
+                head, sep, rest = text.partition(f"tick_ms = {tick_ms}\n")
+                path.write_text(head + sep + extra + "\n" + rest)
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self._clients: list[Client] = []
 

@@ -420,7 +420,7 @@ class Link:
     def _take(self, records: tuple[Record, ...], digest: bytes, peer_matched: bool) -> None:
         for rec in records:
             self._note_known(rec.key, rec.stamp)
-        kept = self.node.receive(records) if records else []
+        kept = self.node.receive(records, via=self.peer) if records else []
         if kept:
             self._events.append(RecordsMerged(tuple(kept)))
         self.in_sync = digest == self.node.view.digest

@@ -22,7 +22,7 @@ simulator treats it as instantly durable.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from convergenced.core.agreement import Decision, Knowledge, StreamAgreement
@@ -140,9 +140,30 @@ class _Stream:
 class NodeCore:
     """One node's protocol state. See the module docstring for the contract."""
 
-    def __init__(self, node_id: str, incarnation: int) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        incarnation: int,
+        *,
+        sign: Callable[[Record], Record] | None = None,
+        verify: Callable[[Record, str | None], str | None] | None = None,
+    ) -> None:
+        """Args:
+        node_id: this node.
+        incarnation: bumped (and persisted) at every start.
+        sign: returns a record with our signature set; applied to every record we
+            publish. None: records are published unsigned (simulator, insecure mode).
+        verify: given a received record and the authenticated peer it came from,
+            returns why it must not be merged (a short reason) or None. Rejected
+            records change nothing and are counted in `rejected`. The function does
+            the cryptography; the core stays free of it.
+        """
         self.node_id = node_id
         self.incarnation = incarnation
+        self._sign = sign
+        self._verify = verify
+        self.rejected: dict[str, int] = {}
+        """Records refused by ``verify``, by reason."""
         self.view = View()
         self._streams: dict[str, _Stream] = {}
         self._version = 0
@@ -285,18 +306,25 @@ class NodeCore:
 
     # -- records from peers ---------------------------------------------------
 
-    def receive(self, records: Iterable[Record]) -> list[Record]:
+    def receive(self, records: Iterable[Record], *, via: str | None = None) -> list[Record]:
         """Merge records from a peer; re-evaluate touched streams; return those kept.
 
         Records about ourselves from a previous life are kept for relaying but never
         drive our state; a record claiming *our* current incarnation that we did not
-        produce is ignored (another process is using our identity).
+        produce is ignored (another process is using our identity). ``via`` is the
+        peer the records came from, as authenticated by the link, for ``verify``.
         """
         kept: list[Record] = []
         by_stream: dict[str, list[Record]] = {}
+        verify = self._verify
         for rec in records:
             if rec.origin == self.node_id and rec.incarnation >= self.incarnation:
                 continue
+            if verify is not None:
+                reason = verify(rec, via)
+                if reason is not None:
+                    self.rejected[reason] = self.rejected.get(reason, 0) + 1
+                    continue
             if self.view.merge(rec):
                 kept.append(rec)
                 if rec.stream in self._streams:
@@ -515,4 +543,6 @@ class NodeCore:
             high_water=f.high_water,
             generations=gens,
         )
+        if self._sign is not None:
+            rec = self._sign(rec)
         self.view.merge(rec)

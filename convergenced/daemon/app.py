@@ -32,6 +32,7 @@ import structlog
 import trio
 
 from convergenced import __version__
+from convergenced.core.errors import ConvergencedError, ProtocolError
 from convergenced.core.facts import Fact
 from convergenced.core.link import LinkConfig, Role
 from convergenced.core.node import (
@@ -41,6 +42,7 @@ from convergenced.core.node import (
     SpecConflictDetected,
 )
 from convergenced.core.overlay import dial_targets
+from convergenced.core.records import Record
 from convergenced.core.wire import WireLimits
 from convergenced.daemon import config as config_mod
 from convergenced.daemon import logs
@@ -50,13 +52,17 @@ from convergenced.daemon.journal import Journal
 from convergenced.daemon.local_api import LocalApiServer, open_unix_listener
 from convergenced.daemon.peers import PeerHub, PeerSession
 from convergenced.daemon.service import Service
+from convergenced.daemon.transport import PeerTransport, TransportError
 from convergenced.daemon.wal import Incarnation, WriteAheadLog
+from convergenced.security.identity import NodeIdentity, TrustList
 
 log = structlog.get_logger("convergenced.daemon")
 
 WAL_NAME = "facts.wal"
 LOCK_NAME = "lock"
 SHUTDOWN_GRACE_S = 5.0
+WARN_INTERVAL_S = 10.0
+"""At most one warning per reason this often (rejections are counted regardless)."""
 
 
 class StartupError(Exception):
@@ -101,6 +107,10 @@ class Daemon:
         """Why the daemon stopped on its own (the log failed), if it did."""
         self._compact_wanted = trio.Event()
         self._compacted_size = 0
+        self.transport: PeerTransport | None = None
+        self.trust: TrustList | None = None
+        self._own_public_key = b""
+        self._last_warned: dict[str, float] = {}
         self._stop = trio.Event()
         self._stop_reason = ""
         self._dialers: dict[str, trio.CancelScope] = {}
@@ -144,7 +154,8 @@ class Daemon:
                 "write-ahead log had a torn tail; truncated it", bytes=torn, detail=torn_detail
             )
         incarnation = 1 + max((e.number for e in entries if isinstance(e, Incarnation)), default=0)
-        node = NodeCore(cfg.node_id, incarnation)
+        sign, verify = self._security(cfg)
+        node = NodeCore(cfg.node_id, incarnation, sign=sign, verify=verify)
         node.replay(e for e in entries if not isinstance(e, Incarnation))
         node.events.clear()
         self.node = node
@@ -167,6 +178,7 @@ class Daemon:
             self._link_config(cfg),
             tick_seconds=cfg.tick_ms / 1000,
             make_durable=self.journal.durable,
+            on_reject=self._peer_violation,
         )
         service = Service(
             node,
@@ -247,22 +259,31 @@ class Daemon:
                     )
                 )
 
-    async def _accept_peer(self, stream: trio.SocketStream) -> None:
-        assert self.hub is not None
+    async def _accept_peer(self, tcp: trio.SocketStream) -> None:
+        assert self.hub is not None and self.transport is not None
         if len(self.hub.sessions) >= self.config.limits.max_connections:
             self._count("peer_connections_refused")
-            await stream.aclose()
+            await tcp.aclose()
             return
         try:
-            host, port = stream.socket.getpeername()[:2]
+            host, port = tcp.socket.getpeername()[:2]
             address = f"{host}:{port}"
         except OSError:
             address = "?"
+        try:
+            stream, authenticated = await self.transport.accept(tcp)
+        except TransportError as exc:
+            self._count(f"peer_refused_{exc.reason}")
+            self._rate_limited_warning(
+                exc.reason, "peer connection refused", address=address, error=str(exc)
+            )
+            return
         session = PeerSession(
             self.hub,
             stream,
             Role.ACCEPTOR,
             address=address,
+            expected_peer=authenticated,
             handshake_timeout=self.config.limits.handshake_timeout_s,
         )
         reason = await session.run()
@@ -279,6 +300,74 @@ class Daemon:
                     nursery.start_soon(session.close, "shutting down")
         if self.journal.failure is None:
             await self.journal.durable()
+
+    # -- security ----------------------------------------------------------------------
+
+    def _security(self, cfg: Config) -> tuple[Any, Any]:
+        """The record signer and verifier for the core, and the peer transport.
+
+        Raises:
+            StartupError: the identity or TLS files are missing or wrong.
+        """
+        try:
+            self.transport = PeerTransport(cfg)
+        except ConvergencedError as exc:
+            raise StartupError(str(exc)) from None
+        if cfg.insecure:
+            log.warning(
+                "INSECURE: peer links are plaintext and records unsigned; anyone who can "
+                "reach the peer port can change what this node believes (insecure = true)"
+            )
+            return None, None
+        try:
+            identity = NodeIdentity.load(cfg.identity_path, node_id=cfg.node_id)
+        except ConvergencedError as exc:
+            raise StartupError(f"{exc} (create it with: convergenced keygen)") from None
+        keys = {node: bytes.fromhex(key) for node, key in cfg.trust}
+        listed = keys.get(cfg.node_id)
+        if listed is not None and listed != identity.public_key_bytes():
+            raise StartupError(
+                f"{cfg.identity_path}: its public key is not the one trust.{cfg.node_id} "
+                f"lists in {cfg.source}"
+            )
+        keys[cfg.node_id] = self._own_public_key = identity.public_key_bytes()
+        self.trust = TrustList(keys)
+        trust = self.trust
+
+        def verify(record: Record, via: str | None) -> str | None:
+            reason = trust.check(record, link_peer=via)
+            if reason is None:
+                return None
+            self._count(f"records_rejected_{reason.value}")
+            self._rate_limited_warning(
+                str(reason),
+                "record rejected",
+                origin=record.origin,
+                stream=record.stream,
+                via=via,
+                reason=str(reason),
+            )
+            return str(reason)
+
+        return identity.sign_record, verify
+
+    def _peer_violation(self, err: ProtocolError, session: PeerSession) -> None:
+        self._count(f"peer_rejected_{err.reason}")
+        self._rate_limited_warning(
+            f"peer:{err.reason}",
+            "peer broke the protocol; link closed",
+            peer=session.peer,
+            address=session.address,
+            error=str(err),
+        )
+
+    def _rate_limited_warning(self, key: str, event: str, **fields: Any) -> None:
+        # At most one line per reason per interval: a hostile peer must not be able
+        # to flood the log (the counters still count every occurrence).
+        now = time.monotonic()
+        if now - self._last_warned.get(key, -1e9) >= WARN_INTERVAL_S:
+            self._last_warned[key] = now
+            log.warning(event, **fields)
 
     # -- the log ----------------------------------------------------------------------
 
@@ -365,11 +454,14 @@ class Daemon:
     async def _dial(self, scope: trio.CancelScope, peer: Peer) -> None:
         assert self.hub is not None
         with scope:
+            assert self.transport is not None
             await dial_forever(
                 self.hub,
                 peer,
+                connect=self.transport.dial,
                 connect_timeout=self.config.limits.handshake_timeout_s,
                 on_reconnect=lambda _: self._count("peer_reconnects"),
+                on_refused=lambda reason: self._count(f"peer_refused_{reason}"),
             )
 
     # -- signals and reload ------------------------------------------------------------
@@ -410,6 +502,11 @@ class Daemon:
                 "idle_ticks",
                 "dead_ticks",
                 "limits",
+                "insecure",
+                "tls",
+                "identity",
+                "allowed_uids",
+                "allowed_gids",
             )
             if getattr(old, key) != getattr(new, key)
         ]
@@ -419,9 +516,14 @@ class Daemon:
             mesh_limit=new.mesh_limit,
             log_level=new.log_level,
             wal_compact_bytes=new.wal_compact_bytes,
+            trust=new.trust,
             source=new.source,
         )
         self.config = kept
+        if self.trust is not None and new.trust != old.trust:
+            keys = {node: bytes.fromhex(key) for node, key in new.trust}
+            keys[old.node_id] = self._own_public_key
+            self.trust.replace_keys(keys)
         if new.log_level != old.log_level:
             logs.configure(new.log_level, old.node_id, json=self.log_json)
         assert self.hub is not None
@@ -498,9 +600,14 @@ class Daemon:
                 }
             )
         connected = {entry["peer"] for entry in links}
+        warnings = []
+        if cfg.insecure:
+            warnings.append("INSECURE: plaintext peer links and unsigned records (insecure = true)")
         return {
             "node": cfg.node_id,
             "cluster": cfg.cluster,
+            "insecure": cfg.insecure,
+            "warnings": warnings,
             "version": __version__,
             "incarnation": self.node.incarnation,
             "uptime_s": round(time.monotonic() - self.started_monotonic, 3),

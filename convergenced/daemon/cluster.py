@@ -1,8 +1,10 @@
 """`convergenced cluster`: everything needed to run an N-node cluster on loopback.
 
 Writes one configuration file per node (``node-1.toml`` ...), each with its own
-state directory and socket under ``DIR/node-K/`` and every other node as a peer.
-Keys and certificates join them once node identity and mutual TLS land.
+state directory and socket under ``DIR/node-K/`` and every other node as a peer, and,
+unless ``insecure``, everything the secure defaults need: a cluster CA
+(``DIR/ca/``), a TLS certificate and key per node, an Ed25519 identity per node and,
+in every config, the trust list of all nodes' public keys.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from convergenced.daemon import config as config_mod
+from convergenced.security import pki
 
 MAX_UNIX_PATH = 107
 """sun_path holds 108 bytes including the terminating NUL."""
@@ -21,7 +24,13 @@ def node_name(i: int) -> str:
 
 
 def write_cluster(
-    directory: Path, nodes: int, base_port: int, *, cluster: str = "local", tick_ms: int = 50
+    directory: Path,
+    nodes: int,
+    base_port: int,
+    *,
+    cluster: str = "local",
+    tick_ms: int = 50,
+    insecure: bool = False,
 ) -> list[Path]:
     """Write the configs; return their paths.
 
@@ -36,7 +45,6 @@ def write_cluster(
             "must lie in 1024..65535"
         )
     directory = directory.resolve()
-    paths: list[Path] = []
     for i in range(1, nodes + 1):
         sock = directory / node_name(i) / "convergenced.sock"
         if len(str(sock).encode()) > MAX_UNIX_PATH:
@@ -45,6 +53,8 @@ def write_cluster(
                 "path may have; use a shorter --dir"
             )
     directory.mkdir(parents=True, exist_ok=True)
+    security = [] if insecure else _secure(directory, nodes)
+    paths: list[Path] = []
     for i in range(1, nodes + 1):
         name = node_name(i)
         home = directory / name
@@ -57,8 +67,28 @@ def write_cluster(
             f'socket_path = "{home / "convergenced.sock"}"',
             f'state_dir = "{home / "state"}"',
             f"tick_ms = {tick_ms}",
-            "",
         ]
+        if insecure:
+            lines += [
+                "# Plaintext links and unsigned records: for a throwaway cluster only.",
+                "insecure = true",
+            ]
+        else:
+            lines += [f'identity = "{home / "identity.key"}"']
+        lines.append("")
+        if not insecure:
+            ca = directory / "ca" / "ca.crt"
+            files = pki.node_files(home / "tls", name)
+            lines += [
+                "[tls]",
+                f'cert = "{files.cert}"',
+                f'key = "{files.key}"',
+                f'ca = "{ca}"',
+                "",
+                "[trust]",
+                *security,
+                "",
+            ]
         for j in range(1, nodes + 1):
             if j != i:
                 lines += [
@@ -72,3 +102,26 @@ def write_cluster(
         config_mod.load(path)  # what we write must be what we accept
         paths.append(path)
     return paths
+
+
+def _secure(directory: Path, nodes: int) -> list[str]:
+    """CA, certificates and identities; returns the trust list lines."""
+    from convergenced.security.identity import NodeIdentity
+
+    ca_dir = directory / "ca"
+    if not (ca_dir / "ca.crt").exists():
+        pki.init_ca(ca_dir, name="convergenced local cluster CA")
+    trust: list[str] = []
+    for i in range(1, nodes + 1):
+        name = node_name(i)
+        home = directory / name
+        if not pki.node_files(home / "tls", name).cert.exists():
+            pki.issue(ca_dir, name, out_dir=home / "tls")
+        key_path = home / "identity.key"
+        if key_path.exists():
+            identity = NodeIdentity.load(key_path, node_id=name)
+        else:
+            identity = NodeIdentity.generate(name)
+            identity.save(key_path)
+        trust.append(identity.trust_entry())
+    return trust

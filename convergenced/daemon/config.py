@@ -59,6 +59,15 @@ class Limits:
 
 
 @dataclass(frozen=True, slots=True)
+class TlsFiles:
+    """This node's certificate and key, and the cluster CA (``convergenced ca``)."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     """The whole daemon configuration (see deploy/config/convergenced.toml)."""
 
@@ -83,13 +92,29 @@ class Config:
     after the last compaction)."""
     log_level: str = "info"
     limits: Limits = field(default_factory=Limits)
+    insecure: bool = False
+    """Plaintext peer links and unsigned records: only for a throwaway local cluster."""
+    tls: TlsFiles | None = None
+    identity: Path | None = None
+    """This node's Ed25519 key (``convergenced keygen``); default state_dir/identity.key."""
+    trust: tuple[tuple[str, str], ...] = ()
+    """(node id, public key hex) of every other node: records are verified against it."""
+    allowed_uids: tuple[int, ...] = ()
+    """Local API clients allowed besides root and the daemon's own user."""
+    allowed_gids: tuple[int, ...] = ()
+    """Local API clients allowed by group (primary or supplementary)."""
     source: str = "<defaults>"
+
+    @property
+    def identity_path(self) -> Path:
+        """Where this node's identity key is."""
+        return self.identity or self.state_dir / "identity.key"
 
 
 _TOP = {
     "node_id", "cluster", "listen", "peers", "socket_path", "state_dir",
     "tick_ms", "idle_ticks", "dead_ticks", "mesh_limit", "log_level", "limits",
-    "wal_compact_bytes",
+    "wal_compact_bytes", "insecure", "tls", "identity", "trust", "local",
 }  # fmt: skip
 
 
@@ -143,6 +168,7 @@ def parse(raw: Mapping[str, Any], source: str = "<config>") -> Config:
         wal_compact_bytes=v.integer(raw, "wal_compact_bytes", 64 << 20, lo=1 << 16, hi=1 << 40),
         log_level=level,
         limits=v.limits(raw.get("limits", {})),
+        **v.security(raw, node_id, peers),
         source=source,
     )
 
@@ -190,10 +216,10 @@ class _Validator:
             raise self.fail(prefix + key, f"{value!r}; expected an integer from {lo} to {hi}")
         return value
 
-    def path(self, table: Mapping[str, Any], key: str, default: Path) -> Path:
+    def path(self, table: Mapping[str, Any], key: str, default: Path, *, prefix: str = "") -> Path:
         value = table.get(key, str(default))
         if not isinstance(value, str) or not value.startswith("/"):
-            raise self.fail(key, f"{value!r}; expected an absolute path")
+            raise self.fail(prefix + key, f"{value!r}; expected an absolute path")
         return Path(value)
 
     def address(self, value: Any, key: str) -> tuple[str, int]:
@@ -229,6 +255,64 @@ class _Validator:
             host, port = self.address(item.get("address"), f"{key}.address")
             out.append(Peer(node_id, host, port))
         return tuple(out)
+
+    def security(self, raw: Mapping[str, Any], me: str, peers: tuple[Peer, ...]) -> dict[str, Any]:
+        insecure = raw.get("insecure", False)
+        if type(insecure) is not bool:
+            raise self.fail("insecure", f"{insecure!r}; expected true or false")
+        tls: TlsFiles | None = None
+        if "tls" in raw:
+            table = raw["tls"]
+            if not isinstance(table, Mapping):
+                raise self.fail("tls", "expected a table with cert, key and ca")
+            self.no_unknown(table, {"cert", "key", "ca"}, "tls.")
+            missing = [k for k in ("cert", "key", "ca") if k not in table]
+            if missing:
+                raise self.fail(f"tls.{missing[0]}", "missing (see convergenced ca issue)")
+            tls = TlsFiles(
+                *(self.path(table, k, Path("/"), prefix="tls.") for k in ("cert", "key", "ca"))
+            )
+        elif not insecure:
+            raise self.fail(
+                "tls",
+                "missing: peer links use mutual TLS; set [tls] cert, key and ca (made by "
+                "'convergenced ca init' and 'convergenced ca issue'), or insecure = true for "
+                "a throwaway local cluster",
+            )
+        identity = self.path(raw, "identity", Path("/")) if "identity" in raw else None
+        trust: tuple[tuple[str, str], ...] = ()
+        if "trust" in raw:
+            from convergenced.security.identity import parse_trust_list
+
+            parse_trust_list(raw["trust"], self.source)  # validates names and keys
+            trust = tuple(sorted((str(k), str(v).lower()) for k, v in raw["trust"].items()))
+        if not insecure:
+            known = {n for n, _ in trust}
+            for p in peers:
+                if p.node_id not in known:
+                    raise self.fail(
+                        f"trust.{p.node_id}",
+                        "missing: every peer needs its public key here (its "
+                        "'convergenced keygen' prints the line)",
+                    )
+        local = raw.get("local", {})
+        if not isinstance(local, Mapping):
+            raise self.fail("local", "expected a table with allowed_uids and allowed_gids")
+        self.no_unknown(local, {"allowed_uids", "allowed_gids"}, "local.")
+        return {
+            "insecure": insecure,
+            "tls": tls,
+            "identity": identity,
+            "trust": trust,
+            "allowed_uids": self.ids(local, "allowed_uids"),
+            "allowed_gids": self.ids(local, "allowed_gids"),
+        }
+
+    def ids(self, table: Mapping[str, Any], key: str) -> tuple[int, ...]:
+        value = table.get(key, [])
+        if not isinstance(value, list) or not all(type(x) is int and 0 <= x < 2**32 for x in value):
+            raise self.fail(f"local.{key}", f"{value!r}; expected a list of numeric ids")
+        return tuple(value)
 
     def limits(self, value: Any) -> Limits:
         if not isinstance(value, Mapping):

@@ -9,11 +9,12 @@ for a while resets the delay: the next failure is a new incident, not a streak.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import structlog
 import trio
 
+from convergenced.core.errors import ConvergencedError
 from convergenced.core.link import Role
 from convergenced.daemon.config import Peer
 from convergenced.daemon.peers import PeerHub, PeerSession
@@ -48,26 +49,45 @@ class Backoff:
         self.attempts = 0
 
 
+Connect = Callable[[Peer], Awaitable[trio.abc.Stream]]
+
+
+async def _tcp(peer: Peer) -> trio.abc.Stream:
+    return await trio.open_tcp_stream(peer.host, peer.port)
+
+
 async def dial_forever(
     hub: PeerHub,
     peer: Peer,
     *,
-    connect_timeout: float,
+    connect: Connect = _tcp,
+    connect_timeout: float = 5.0,
     stable_after: float = 10.0,
     backoff: Backoff | None = None,
     on_reconnect: Callable[[str], None] | None = None,
+    on_refused: Callable[[str], None] | None = None,
 ) -> None:
-    """Keep a link to ``peer`` up until cancelled."""
+    """Keep a link to ``peer`` up until cancelled.
+
+    ``connect`` opens a secured stream (see `transport`); an error with a ``reason``
+    attribute (a refused TLS handshake) is reported to ``on_refused`` and retried
+    like any other failure.
+    """
     backoff = backoff or Backoff()
     address = f"{peer.host}:{peer.port}"
     connected_before = False
     while True:
         try:
-            with trio.fail_after(connect_timeout):
-                stream = await trio.open_tcp_stream(peer.host, peer.port)
-        except (OSError, trio.TooSlowError) as exc:
+            with trio.fail_after(connect_timeout * 2):
+                stream = await connect(peer)
+        except (OSError, trio.TooSlowError, ConvergencedError) as exc:
+            reason = getattr(exc, "reason", None)
+            if reason is not None and on_refused is not None:
+                on_refused(reason)
             delay = backoff.next()
-            log.debug(
+            # A refused handshake is a configuration problem worth seeing; a peer that
+            # is simply down is not (backoff already spaces these lines out).
+            (log.warning if reason is not None else log.debug)(
                 "dial failed",
                 peer=peer.node_id,
                 address=address,

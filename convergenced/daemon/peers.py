@@ -40,8 +40,11 @@ class PeerHub:
         *,
         tick_seconds: float,
         make_durable: MakeDurable = _nothing_to_persist,
+        on_reject: Callable[[ProtocolError, PeerSession], None] | None = None,
     ) -> None:
         self.node = node
+        self.on_reject = on_reject
+        """Called for every protocol violation a peer commits (metrics, logs)."""
         self.link_config = link_config
         self.tick_seconds = tick_seconds
         self.make_durable = make_durable
@@ -116,7 +119,11 @@ class PeerSession:
         finally:
             self.hub.sessions.discard(self)
             with trio.CancelScope(shield=True):
-                await self.stream.aclose()
+                # A TLS close_notify can block on a peer that stopped reading.
+                with trio.move_on_after(1) as bounded:
+                    await self.stream.aclose()
+                if bounded.cancelled_caught:
+                    await trio.aclose_forcefully(self.stream)
         return self.closed_reason or "closed"
 
     async def close(self, reason: str = "shutting down") -> None:
@@ -137,6 +144,8 @@ class PeerSession:
                 self.link.receive_data(data)
             except ProtocolError as err:
                 self.error = err
+                if self.hub.on_reject is not None:
+                    self.hub.on_reject(err, self)
             await self._flush()
 
     async def _handshake_deadline(self, seconds: float) -> None:
