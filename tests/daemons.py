@@ -50,11 +50,15 @@ def free_base_port(n: int) -> int:
 class LocalCluster:
     """N daemon processes on loopback; use as a context manager."""
 
-    def __init__(self, nodes: int, *, tick_ms: int = 20, extra: str = "") -> None:
+    def __init__(
+        self, nodes: int, *, tick_ms: int = 20, extra: str = "", insecure: bool = False
+    ) -> None:
         self.n = nodes
         self.dir = Path(tempfile.mkdtemp(prefix="cvg-", dir="/tmp"))
         self.base_port = free_base_port(nodes)
-        self.configs = write_cluster(self.dir, nodes, self.base_port, tick_ms=tick_ms)
+        self.configs = write_cluster(
+            self.dir, nodes, self.base_port, tick_ms=tick_ms, insecure=insecure
+        )
         if extra:  # top-level keys: they go before the first table
             for path in self.configs:
                 text = path.read_text()

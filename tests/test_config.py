@@ -35,7 +35,7 @@ def test_peers_are_parsed(tmp_path: Path) -> None:
     cfg = load(
         _write(
             tmp_path,
-            'node_id = "a"\n[[peers]]\nid = "b"\naddress = "127.0.0.1:9001"\n'
+            'node_id = "a"\ninsecure = true\n[[peers]]\nid = "b"\naddress = "127.0.0.1:9001"\n'
             '[[peers]]\nid = "c"\naddress = "[::1]:9002"\n',
         )
     )
@@ -91,3 +91,46 @@ def test_unreadable_and_malformed_files_name_the_file(tmp_path: Path) -> None:
         load(tmp_path / "absent.toml")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load(_write(tmp_path, "node_id = \n"))
+
+
+# -- security settings -------------------------------------------------------------------
+
+_PEER = '[[peers]]\nid = "b"\naddress = "127.0.0.1:9001"\n'
+_KEY = "9210d5ee616bf2ddcc132975e7e0b284d8cff6fdf0bb0c3baef682a392d20c10"
+_TLS = '[tls]\ncert = "/t/a.crt"\nkey = "/t/a.key"\nca = "/t/ca.crt"\n'
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "expected"),
+    [
+        ('node_id = "a"\n' + _PEER, "tls", "peer links use mutual TLS"),
+        ('node_id = "a"\n' + _TLS + _PEER, "trust.b", "every peer needs its public key"),
+        ('node_id = "a"\n' + _TLS + '[trust]\nb = "00"\n' + _PEER, "trust.b", ""),
+        ('node_id = "a"\n[tls]\ncert = "/t/a.crt"\n', "tls.key", "missing"),
+        (
+            'node_id = "a"\n[tls]\ncert = "rel.crt"\nkey = "/k"\nca = "/c"\n',
+            "tls.cert",
+            "absolute path",
+        ),
+        ('node_id = "a"\ninsecure = "yes"\n', "insecure", "true or false"),
+        ('node_id = "a"\n[local]\nallowed_uids = [-1]\n', "local.allowed_uids", "numeric ids"),
+        ('node_id = "a"\n[local]\nallowed_users = [1]\n', "local.allowed_users", "unknown key"),
+    ],
+)
+def test_security_settings_are_checked(tmp_path: Path, text: str, key: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load(_write(tmp_path, text))
+    assert info.value.key == key
+    assert expected in str(info.value)
+
+
+def test_a_secure_config_and_an_insecure_one(tmp_path: Path) -> None:
+    cfg = load(_write(tmp_path, f'node_id = "a"\n{_TLS}[trust]\nb = "{_KEY}"\n{_PEER}'))
+    assert cfg.tls is not None and str(cfg.tls.ca) == "/t/ca.crt"
+    assert cfg.trust == (("b", _KEY),)
+    assert not cfg.insecure
+    assert cfg.identity_path == cfg.state_dir / "identity.key"
+    plain = load(_write(tmp_path, 'node_id = "a"\ninsecure = true\n' + _PEER))
+    assert plain.insecure and plain.tls is None
+    alone = load(_write(tmp_path, 'node_id = "a"\n[local]\nallowed_gids = [1000]\n'))
+    assert alone.tls is None and alone.allowed_gids == (1000,)

@@ -319,6 +319,9 @@ class Daemon:
                 "reach the peer port can change what this node believes (insecure = true)"
             )
             return None, None
+        if cfg.tls is None:
+            log.info("no peers configured: this node works alone and admits no peer")
+            return None, None
         try:
             identity = NodeIdentity.load(cfg.identity_path, node_id=cfg.node_id)
         except ConvergencedError as exc:

@@ -272,7 +272,9 @@ class _Validator:
             tls = TlsFiles(
                 *(self.path(table, k, Path("/"), prefix="tls.") for k in ("cert", "key", "ca"))
             )
-        elif not insecure:
+        elif not insecure and peers:
+            # Without peers nobody can be admitted on the peer port (a HELLO must name
+            # a configured peer), so a single host needs no certificates.
             raise self.fail(
                 "tls",
                 "missing: peer links use mutual TLS; set [tls] cert, key and ca (made by "
