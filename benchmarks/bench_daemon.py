@@ -133,6 +133,8 @@ class Config:
     rss_streams: int
     rss_epochs: int
     rss_runs: int
+    insecure: bool = False
+    """Plaintext links and unsigned records (to measure what TLS and signing cost)."""
 
 
 FULL = Config(
@@ -447,7 +449,7 @@ async def group_run(
 
 def bench_throughput(cfg: Config) -> tuple[list[TputResult], dict[str, Any]]:
     """Section 1 on a fresh single daemon."""
-    with LocalCluster(1, tick_ms=cfg.tick_ms) as cluster:
+    with LocalCluster(1, tick_ms=cfg.tick_ms, insecure=cfg.insecure) as cluster:
         cluster.start_all()
         pid = cluster.procs[1].pid
         path = cluster.socket_path(1)
@@ -712,7 +714,7 @@ def bench_convergence(cfg: Config) -> list[ConvResult]:
     rng = random.Random(7)
     out: list[ConvResult] = []
     for n in cfg.conv_nodes:
-        with LocalCluster(n, tick_ms=cfg.tick_ms) as cluster:
+        with LocalCluster(n, tick_ms=cfg.tick_ms, insecure=cfg.insecure) as cluster:
             cluster.start_all()
             out.append(trio.run(convergence_samples, cluster, cfg, rng))
     return out
@@ -826,7 +828,7 @@ def bench_rss(cfg: Config) -> list[RssRun]:
     """Section 3: fresh clusters, idle then loaded."""
     out: list[RssRun] = []
     for _ in range(cfg.rss_runs):
-        with LocalCluster(cfg.rss_nodes, tick_ms=cfg.tick_ms) as cluster:
+        with LocalCluster(cfg.rss_nodes, tick_ms=cfg.tick_ms, insecure=cfg.insecure) as cluster:
             cluster.start_all()
             pids = [cluster.procs[i].pid for i in range(1, cluster.n + 1)]
             time.sleep(1.0)  # links up, heartbeats flowing
@@ -910,6 +912,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="node counts of the convergence section (default 3 8 16; quick 3)",
     )
     parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="plaintext links and unsigned records (default: mutual TLS and signed records, "
+        "as deployed); compare the two to see what security costs",
+    )
+    parser.add_argument(
         "--only",
         choices=("throughput", "convergence", "rss"),
         action="append",
@@ -925,11 +933,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         if min(args.nodes) < 2:
             parser.error("--nodes: convergence needs at least 2 nodes")
         cfg = dataclasses.replace(cfg, conv_nodes=tuple(args.nodes))
+    if args.insecure:
+        cfg = dataclasses.replace(cfg, insecure=True)
     sections = set(args.only or ("throughput", "convergence", "rss"))
 
-    info: dict[str, Any] = {"mode": cfg.mode, "tick_ms": cfg.tick_ms, "machine": machine()}
+    info: dict[str, Any] = {
+        "mode": cfg.mode,
+        "tick_ms": cfg.tick_ms,
+        "insecure": cfg.insecure,
+        "machine": machine(),
+    }
     m = info["machine"]
-    print(f"convergenced daemon benchmarks ({cfg.mode}), real daemon processes on loopback")
+    security = "INSECURE: plaintext, unsigned" if cfg.insecure else "mutual TLS, signed records"
+    print(
+        f"convergenced daemon benchmarks ({cfg.mode}), real daemon processes on loopback, "
+        f"{security}"
+    )
     print(
         f"machine: os.cpu_count()={m['cpu_count']} (usable {m['nproc']})  cpu={m['cpu']}  "
         f"loadavg at start {m['loadavg_at_start']}"
