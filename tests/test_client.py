@@ -123,3 +123,20 @@ async def test_abandoned_async_calls_are_cancelled_on_the_daemon(solo: LocalClus
                 await c.wait("abandon", 10**9)
         with trio.fail_after(10):
             assert (await c.status())["node"] == "node-1"
+
+
+def test_a_declaration_with_more_members_than_the_limit_is_refused() -> None:
+    with LocalCluster(1) as cluster:
+        cfg = cluster.configs[0]
+        cfg.write_text(cfg.read_text() + "\n[limits]\nmax_members = 2\n")
+        cluster.start_all()
+        c = cluster.client(1)
+        spec = {
+            "name": "big",
+            "members": {"node-1": [0], "n2": [1], "n3": [2]},
+            "policy": {"mode": "all", "domains": ["nvme"]},
+        }
+        with pytest.raises(ApiError) as info:
+            c.declare(spec)
+        assert info.value.reason == "too_many_members"
+        assert c.streams() == []

@@ -185,6 +185,7 @@ class Daemon:
             self.journal,
             self.hub,
             max_streams=cfg.limits.max_streams,
+            max_members=cfg.limits.max_members,
             status=self.status,
             on_fact=self._count_fact,
         )

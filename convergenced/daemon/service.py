@@ -47,6 +47,7 @@ class Service:
         hub: PeerHub,
         *,
         max_streams: int,
+        max_members: int = 4096,
         status: Callable[[], dict[str, Any]],
         on_fact: Callable[[Fact], None] | None = None,
     ) -> None:
@@ -54,6 +55,7 @@ class Service:
         self.journal = journal
         self.hub = hub
         self.max_streams = max_streams
+        self.max_members = max_members
         self._status = status
         self._on_fact = on_fact
 
@@ -108,6 +110,14 @@ class Service:
     def _admit(self, fact: Fact) -> None:
         if isinstance(fact, Declare):
             name = fact.spec.name
+            members = len(fact.spec.members)
+            if members > self.max_members:
+                raise ApiError(
+                    ErrorKind.REJECTED,
+                    "too_many_members",
+                    f"stream {name!r}: {members} members above this node's limit of "
+                    f"{self.max_members} (limits.max_members)",
+                )
             if name not in self.node.streams() and len(self.node.streams()) >= self.max_streams:
                 raise ApiError(
                     ErrorKind.REJECTED,
