@@ -69,10 +69,40 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--cluster", default="local", help="cluster name (default local)")
     cluster.add_argument("--tick-ms", type=int, default=50, help="link timer period")
     cluster.add_argument(
+        "--metrics-base-port",
+        type=int,
+        default=9464,
+        metavar="M",
+        help="node K serves /metrics on 127.0.0.1:M+K-1 (default 9464)",
+    )
+    cluster.add_argument(
         "--insecure",
         action="store_true",
         help="plaintext links and unsigned records, no keys or certificates (throwaway "
         "clusters only; the daemons warn about it at start and in every status)",
+    )
+
+    health = sub.add_parser(
+        "healthcheck",
+        help="exit 0 when the local daemon answers, 1 when not (for Docker and k8s probes)",
+        description="Ask the daemon for its status over its Unix socket. Exit 0 when it "
+        "answers within the timeout, 1 when it does not (not running, stuck, refusing, "
+        "or the socket path unknown); the reason goes to stderr.",
+    )
+    health.add_argument(
+        "--config",
+        type=Path,
+        default=DEFAULT_CONFIG,
+        metavar="FILE",
+        help=f"read socket_path from this file (default {DEFAULT_CONFIG}; ignored with --socket)",
+    )
+    health.add_argument("--socket", type=Path, metavar="PATH", help="the daemon's socket")
+    health.add_argument(
+        "--timeout",
+        type=float,
+        default=3.0,
+        metavar="S",
+        help="seconds to wait for the answer (default 3)",
     )
 
     keygen = sub.add_parser(
@@ -175,12 +205,51 @@ def _cluster(args: argparse.Namespace) -> int:
             cluster=args.cluster,
             tick_ms=args.tick_ms,
             insecure=args.insecure,
+            metrics_base_port=args.metrics_base_port,
         )
     except (ValueError, ConvergencedError) as exc:
         print(f"convergenced cluster: {exc}", file=sys.stderr)
         return 2
     for p in paths:
         print(f"convergenced run --config {p}")
+    return 0
+
+
+def _healthcheck(args: argparse.Namespace) -> int:
+    import socket
+
+    from convergenced.core import api
+
+    path = args.socket
+    if path is None:
+        from convergenced.daemon import config as config_mod
+
+        try:
+            path = config_mod.load(args.config).socket_path
+        except config_mod.ConfigError as exc:
+            print(f"convergenced healthcheck: {exc}", file=sys.stderr)
+            return 1
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(args.timeout)
+            s.connect(str(path))
+            s.sendall(api.encode_frame(api.request(1, "status")))
+            reader = api.FrameReader()
+            while True:
+                data = s.recv(65536)
+                if not data:
+                    raise OSError("the daemon closed the connection")
+                replies = reader.feed(data)
+                if replies:
+                    break
+    except (OSError, api.ApiError) as exc:
+        print(f"convergenced healthcheck: unhealthy: {path}: {exc}", file=sys.stderr)
+        return 1
+    reply = replies[0]
+    if not isinstance(reply, dict) or "ok" not in reply:
+        err = reply.get("error") if isinstance(reply, dict) else reply
+        print(f"convergenced healthcheck: unhealthy: {err}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -236,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
     if args.command == "cluster":
         return _cluster(args)
+    if args.command == "healthcheck":
+        return _healthcheck(args)
     if args.command == "keygen":
         return _keygen(args)
     if args.command == "ca":

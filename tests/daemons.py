@@ -55,9 +55,15 @@ class LocalCluster:
     ) -> None:
         self.n = nodes
         self.dir = Path(tempfile.mkdtemp(prefix="cvg-", dir="/tmp"))
-        self.base_port = free_base_port(nodes)
+        self.base_port = free_base_port(2 * nodes)
+        self.metrics_base_port = self.base_port + nodes
         self.configs = write_cluster(
-            self.dir, nodes, self.base_port, tick_ms=tick_ms, insecure=insecure
+            self.dir,
+            nodes,
+            self.base_port,
+            tick_ms=tick_ms,
+            insecure=insecure,
+            metrics_base_port=self.metrics_base_port,
         )
         if extra:  # top-level keys: they go before the first table
             for path in self.configs:
@@ -81,8 +87,9 @@ class LocalCluster:
         """Where node ``i``'s stderr goes (appended across restarts)."""
         return self.dir / f"{node_name(i)}.log"
 
-    def start(self, i: int, *, wait: bool = True) -> None:
-        """Start node ``i``; with ``wait``, return once its socket answers."""
+    def start(self, i: int, *, wait: bool = True, env: dict[str, str] | None = None) -> None:
+        """Start node ``i``; with ``wait``, return once its socket answers. ``env`` adds
+        environment variables (such as NOTIFY_SOCKET)."""
         log = open(self.log_path(i), "ab")  # noqa: SIM115 - handed to the child
         self.procs[i] = subprocess.Popen(
             [
@@ -97,7 +104,7 @@ class LocalCluster:
             ],
             stdout=log,
             stderr=log,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
         log.close()
         if wait:

@@ -201,6 +201,8 @@ class Link:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.records_sent = 0
+        self.frame_counts: dict[tuple[str, str], int] = {}
+        """Frames by (direction, message type): ("sent", "TICK"), ("received", "TOCK")..."""
         self._decoder = FrameDecoder(config.limits)
         self._out = bytearray()
         self._events: list[LinkEvent] = []
@@ -272,6 +274,8 @@ class Link:
                 self._close_with(err)
                 raise
             self.frames_received += 1
+            key = ("received", frame[0].name)
+            self.frame_counts[key] = self.frame_counts.get(key, 0) + 1
             self._ticks_since_recv = 0
             self._handle(msg)
         self.poll()
@@ -514,4 +518,6 @@ class Link:
         self._out += frame
         self.frames_sent += 1
         self.bytes_sent += len(frame)
+        key = ("sent", type(msg).__name__.upper())
+        self.frame_counts[key] = self.frame_counts.get(key, 0) + 1
         self._ticks_since_sent = 0

@@ -33,7 +33,7 @@ import trio
 
 from convergenced import __version__
 from convergenced.core.errors import ConvergencedError, ProtocolError
-from convergenced.core.facts import Fact
+from convergenced.core.facts import Commit, Fact, Retract
 from convergenced.core.link import LinkConfig, Role
 from convergenced.core.node import (
     GenerationResolved,
@@ -48,8 +48,12 @@ from convergenced.daemon import config as config_mod
 from convergenced.daemon import logs
 from convergenced.daemon.config import Config, Peer
 from convergenced.daemon.dialer import dial_forever
+from convergenced.daemon.http import HttpEndpoint
 from convergenced.daemon.journal import Journal
 from convergenced.daemon.local_api import LocalApiServer, open_unix_listener
+from convergenced.daemon.metrics import Metrics
+from convergenced.daemon.metrics import register as register_collector
+from convergenced.daemon.notify import Notifier
 from convergenced.daemon.peers import PeerHub, PeerSession
 from convergenced.daemon.service import Service
 from convergenced.daemon.transport import PeerTransport, TransportError
@@ -103,6 +107,13 @@ class Daemon:
         self.peer_port: int | None = None
         """The TCP port actually bound (useful with ``listen = "127.0.0.1:0"``)."""
         self.counters: dict[str, int] = {}
+        self.metrics = Metrics()
+        register_collector(self.metrics, self)
+        self.notifier = Notifier()
+        self.restore_point_since: dict[str, float] = {}
+        """Per stream, when the restore point last changed (monotonic; metrics only)."""
+        self.metrics_port: int | None = None
+        self.ready = False
         self.fatal: BaseException | None = None
         """Why the daemon stopped on its own (the log failed), if it did."""
         self._compact_wanted = trio.Event()
@@ -179,6 +190,7 @@ class Daemon:
             tick_seconds=cfg.tick_ms / 1000,
             make_durable=self.journal.durable,
             on_reject=self._peer_violation,
+            metrics=self.metrics,
         )
         service = Service(
             node,
@@ -188,6 +200,8 @@ class Daemon:
             max_members=cfg.limits.max_members,
             status=self.status,
             on_fact=self._count_fact,
+            on_refused=self._count_refused,
+            on_recovery=lambda stream, s: self.metrics.recovery.labels(stream=stream).set(s),
         )
         self.api = LocalApiServer(service, cfg.limits, on_reject=self._count_reject)
 
@@ -213,6 +227,7 @@ class Daemon:
                 nursery.start_soon(self._watch_signals)
                 nursery.start_soon(self._drain_events)
                 nursery.start_soon(self._compactor)
+                await self._start_http(nursery)
                 self._start_dialers(cfg)
                 log.info(
                     "ready",
@@ -220,8 +235,13 @@ class Daemon:
                     socket=str(cfg.socket_path),
                     dials=sorted(self._dialers),
                 )
+                self.ready = True
+                self.notifier.ready(self.summary())
+                nursery.start_soon(self._notify_loop)
                 task_status.started(self)
                 await self._stop.wait()
+                self.ready = False
+                self.notifier.stopping()
                 log.info("stopping", reason=self._stop_reason)
                 accept_scope.cancel()
                 await self._graceful_stop()
@@ -275,6 +295,7 @@ class Daemon:
             stream, authenticated = await self.transport.accept(tcp)
         except TransportError as exc:
             self._count(f"peer_refused_{exc.reason}")
+            self.metrics.frames_rejected.labels(reason=exc.reason).inc()
             self._rate_limited_warning(
                 exc.reason, "peer connection refused", address=address, error=str(exc)
             )
@@ -343,6 +364,7 @@ class Daemon:
             if reason is None:
                 return None
             self._count(f"records_rejected_{reason.value}")
+            self.metrics.records_rejected.labels(reason=reason.value).inc()
             self._rate_limited_warning(
                 str(reason),
                 "record rejected",
@@ -357,6 +379,7 @@ class Daemon:
 
     def _peer_violation(self, err: ProtocolError, session: PeerSession) -> None:
         self._count(f"peer_rejected_{err.reason}")
+        self.metrics.frames_rejected.labels(reason=err.reason).inc()
         self._rate_limited_warning(
             f"peer:{err.reason}",
             "peer broke the protocol; link closed",
@@ -376,6 +399,7 @@ class Daemon:
     # -- the log ----------------------------------------------------------------------
 
     def _after_fsync(self, seconds: float, entries: int) -> None:
+        self.metrics.fsync.observe(seconds)
         self._count("wal_fsyncs")
         self._count("wal_entries", entries)
         assert self.journal is not None
@@ -464,8 +488,8 @@ class Daemon:
                 peer,
                 connect=self.transport.dial,
                 connect_timeout=self.config.limits.handshake_timeout_s,
-                on_reconnect=lambda _: self._count("peer_reconnects"),
-                on_refused=lambda reason: self._count(f"peer_refused_{reason}"),
+                on_reconnect=self._count_reconnect,
+                on_refused=self._count_dial_refused,
             )
 
     # -- signals and reload ------------------------------------------------------------
@@ -553,8 +577,10 @@ class Daemon:
             events, self.node.events = self.node.events, []
             for ev in events:
                 if isinstance(ev, RestorePointChanged):
+                    self.restore_point_since[ev.stream] = time.monotonic()
                     if ev.rollback:
                         self._count("rollbacks")
+                        self.metrics.rollbacks.labels(stream=ev.stream).inc()
                         log.warning(
                             "restore point rolled back", stream=ev.stream, old=ev.old, new=ev.new
                         )
@@ -581,9 +607,82 @@ class Daemon:
 
     def _count_fact(self, fact: Fact) -> None:
         self._count(f"facts_{type(fact).__name__.lower()}")
+        if isinstance(fact, Commit):
+            self.metrics.commits.labels(domain=fact.domain, outcome="accepted").inc()
+        elif isinstance(fact, Retract):
+            self.metrics.retractions.labels(stream=fact.stream).inc()
+
+    def _count_refused(self, fact: Fact, reason: str) -> None:
+        # Only domains of declared streams label the metric: a client cannot grow
+        # the label set by inventing domain names.
+        if isinstance(fact, Commit) and self.node is not None:
+            declared = fact.stream in self.node.streams()
+            domains = self.node.spec(fact.stream).policy.domains if declared else ()
+            domain = fact.domain if fact.domain in domains else "other"
+            self.metrics.commits.labels(domain=domain, outcome="rejected").inc()
 
     def _count_reject(self, reason: str) -> None:
         self._count(f"api_errors_{reason}")
+        self.metrics.api_errors.labels(reason=reason).inc()
+
+    def _count_reconnect(self, peer: str) -> None:
+        self._count("peer_reconnects")
+        self.metrics.reconnects.labels(peer=peer).inc()
+
+    def _count_dial_refused(self, reason: str) -> None:
+        self._count(f"peer_refused_{reason}")
+        self.metrics.frames_rejected.labels(reason=reason).inc()
+
+    # -- metrics endpoint, probes, systemd ---------------------------------------------
+
+    async def _start_http(self, nursery: trio.Nursery) -> None:
+        where = self.config.metrics_listen
+        if where is None:
+            return
+        endpoint = HttpEndpoint(self.metrics.registry, healthy=self.healthy, ready=self.readiness)
+        try:
+            listeners = await endpoint.listen(where[0], where[1], nursery)
+        except OSError as exc:
+            raise StartupError(f"cannot serve metrics on {where[0]}:{where[1]}: {exc}") from None
+        self.metrics_port = int(listeners[0].socket.getsockname()[1])
+
+    def healthy(self) -> tuple[bool, str]:
+        """For /healthz and `convergenced healthcheck`: the process serves and its log
+        works."""
+        if self.journal is not None and self.journal.failure is not None:
+            return False, f"write-ahead log failed: {self.journal.failure}"
+        return True, "ok"
+
+    def readiness(self) -> tuple[bool, str]:
+        """For /readyz: listeners bound, not stopping."""
+        ok, why = self.healthy()
+        if not ok:
+            return ok, why
+        return (True, "ready") if self.ready else (False, "starting or stopping")
+
+    def summary(self) -> str:
+        """One line for systemd's STATUS= and logs."""
+        if self.node is None:
+            return "starting"
+        linked = len(self.node.neighbours)
+        streams = self.node.streams()
+        points = ", ".join(f"{s}@{self.node.restore_point(s)}" for s in streams[:3])
+        more = f" (+{len(streams) - 3})" if len(streams) > 3 else ""
+        return (
+            f"{linked}/{len(self.config.peers)} peers linked, {len(streams)} streams"
+            f"{': ' + points if points else ''}{more}"
+        )
+
+    async def _notify_loop(self) -> None:
+        interval = self.notifier.watchdog_interval
+        last_status = 0.0
+        while True:
+            await trio.sleep(interval if interval is not None else 5.0)
+            if interval is not None:
+                self.notifier.watchdog()
+            if trio.current_time() - last_status >= 5.0:
+                self.notifier.status(self.summary())
+                last_status = trio.current_time()
 
     def status(self) -> dict[str, Any]:
         """The ``status`` result of the local API."""
@@ -616,6 +715,8 @@ class Daemon:
             "incarnation": self.node.incarnation,
             "uptime_s": round(time.monotonic() - self.started_monotonic, 3),
             "peer_port": self.peer_port,
+            "metrics_port": self.metrics_port,
+            "summary": self.summary(),
             "socket": str(cfg.socket_path),
             "peers": [
                 {

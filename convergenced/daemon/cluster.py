@@ -31,6 +31,7 @@ def write_cluster(
     cluster: str = "local",
     tick_ms: int = 50,
     insecure: bool = False,
+    metrics_base_port: int | None = 9464,
 ) -> list[Path]:
     """Write the configs; return their paths.
 
@@ -68,6 +69,10 @@ def write_cluster(
             f'state_dir = "{home / "state"}"',
             f"tick_ms = {tick_ms}",
         ]
+        if metrics_base_port is not None:
+            lines.append(f'metrics_listen = "127.0.0.1:{metrics_base_port + i - 1}"')
+        else:
+            lines.append('metrics_listen = "off"')
         if insecure:
             lines += [
                 "# Plaintext links and unsigned records: for a throwaway cluster only.",

@@ -93,6 +93,8 @@ class Config:
     """Compact the write-ahead log once it grows past this (and past twice its size
     after the last compaction)."""
     log_level: str = "info"
+    metrics_listen: tuple[str, int] | None = ("127.0.0.1", 9464)
+    """Where /metrics, /healthz and /readyz are served (None: not at all)."""
     limits: Limits = field(default_factory=Limits)
     insecure: bool = False
     """Plaintext peer links and unsigned records: only for a throwaway local cluster."""
@@ -116,7 +118,7 @@ class Config:
 _TOP = {
     "node_id", "cluster", "listen", "peers", "socket_path", "state_dir",
     "tick_ms", "idle_ticks", "dead_ticks", "mesh_limit", "log_level", "limits",
-    "wal_compact_bytes", "insecure", "tls", "identity", "trust", "local",
+    "wal_compact_bytes", "insecure", "tls", "identity", "trust", "local", "metrics_listen",
 }  # fmt: skip
 
 
@@ -169,6 +171,11 @@ def parse(raw: Mapping[str, Any], source: str = "<config>") -> Config:
         mesh_limit=v.integer(raw, "mesh_limit", 16, lo=1, hi=100_000),
         wal_compact_bytes=v.integer(raw, "wal_compact_bytes", 64 << 20, lo=1 << 16, hi=1 << 40),
         log_level=level,
+        metrics_listen=(
+            None
+            if raw.get("metrics_listen") == "off"
+            else v.address(raw.get("metrics_listen", "127.0.0.1:9464"), "metrics_listen")
+        ),
         limits=v.limits(raw.get("limits", {})),
         **v.security(raw, node_id, peers),
         source=source,

@@ -16,11 +16,23 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import trio
 
+if TYPE_CHECKING:
+    from convergenced.daemon.metrics import Metrics
+
 from convergenced.core.errors import ProtocolError
-from convergenced.core.link import Closed, Link, LinkConfig, RecordsMerged, Role
+from convergenced.core.link import (
+    Closed,
+    ExchangeDone,
+    Link,
+    LinkConfig,
+    LinkState,
+    RecordsMerged,
+    Role,
+)
 from convergenced.core.node import NodeCore
 
 MakeDurable = Callable[[], Awaitable[None]]
@@ -41,8 +53,10 @@ class PeerHub:
         tick_seconds: float,
         make_durable: MakeDurable = _nothing_to_persist,
         on_reject: Callable[[ProtocolError, PeerSession], None] | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.node = node
+        self.metrics = metrics
         self.on_reject = on_reject
         """Called for every protocol violation a peer commits (metrics, logs)."""
         self.link_config = link_config
@@ -91,6 +105,9 @@ class PeerSession:
         self.closed_reason: str | None = None
         self.error: ProtocolError | None = None
         self._send_lock = trio.Lock()
+        self._tick_sent_at: dict[int, float] = {}
+        self._reported_frames: dict[tuple[str, str], int] = {}
+        self._reported_bytes = (0, 0)
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
 
@@ -169,6 +186,29 @@ class PeerSession:
 
     # -- output -------------------------------------------------------------------
 
+    def _exchange_done(self, seq: int) -> None:
+        started = self._tick_sent_at.pop(seq, None)  # only exchanges we started
+        m = self.hub.metrics
+        if started is not None and m is not None and self.peer is not None:
+            m.exchange_rtt.labels(peer=self.peer).observe(trio.current_time() - started)
+
+    def _report_traffic(self) -> None:
+        m = self.hub.metrics
+        if m is None or self.peer is None:  # unauthenticated: counted by reason only
+            return
+        link = self.link
+        for key, n in link.frame_counts.items():
+            delta = n - self._reported_frames.get(key, 0)
+            if delta:
+                m.frames.labels(peer=self.peer, type=key[1], direction=key[0]).inc(delta)
+                self._reported_frames[key] = n
+        sent, received = self._reported_bytes
+        if link.bytes_sent != sent:
+            m.bytes.labels(peer=self.peer, direction="sent").inc(link.bytes_sent - sent)
+        if link.bytes_received != received:
+            m.bytes.labels(peer=self.peer, direction="received").inc(link.bytes_received - received)
+        self._reported_bytes = (link.bytes_sent, link.bytes_received)
+
     async def _flush(self) -> None:
         async with self._send_lock:
             changed = False
@@ -177,6 +217,8 @@ class PeerSession:
                     changed = True
                 elif isinstance(ev, Closed):
                     self.closed_reason = ev.reason
+                elif isinstance(ev, ExchangeDone):
+                    self._exchange_done(ev.seq)
             # Nothing leaves before everything applied so far is durable (a no-op
             # when nothing is pending): see `convergenced.daemon.journal`.
             try:
@@ -195,6 +237,9 @@ class PeerSession:
                     if not self.link.closed:
                         self.link.receive_data(b"")
                     self.closed_reason = self.closed_reason or "connection lost"
+            if self.link.state is LinkState.TICK_SENT and self.link.seq not in self._tick_sent_at:
+                self._tick_sent_at[self.link.seq] = trio.current_time()
+            self._report_traffic()
             if changed:
                 self.hub.view_changed(source=self)
             if self.link.closed and self._nursery is not None:

@@ -50,6 +50,8 @@ class Service:
         max_members: int = 4096,
         status: Callable[[], dict[str, Any]],
         on_fact: Callable[[Fact], None] | None = None,
+        on_refused: Callable[[Fact, str], None] | None = None,
+        on_recovery: Callable[[str, float], None] | None = None,
     ) -> None:
         self.node = node
         self.journal = journal
@@ -58,6 +60,8 @@ class Service:
         self.max_members = max_members
         self._status = status
         self._on_fact = on_fact
+        self._on_refused = on_refused
+        self._on_recovery = on_recovery
 
     # -- facts ------------------------------------------------------------------
 
@@ -76,11 +80,16 @@ class Service:
         Raises:
             ApiError: ``rejected``; nothing changed.
         """
-        self._admit(fact)
         try:
-            self.node.apply(fact)
-        except (FactError, SpecError, SpecConflictError) as exc:
-            raise rejected(exc) from None
+            self._admit(fact)
+            try:
+                self.node.apply(fact)
+            except (FactError, SpecError, SpecConflictError) as exc:
+                raise rejected(exc) from None
+        except ApiError as err:
+            if self._on_refused is not None:
+                self._on_refused(fact, err.reason)
+            raise
         self.journal.record(fact)
         if self._on_fact is not None:
             self._on_fact(fact)
@@ -197,6 +206,7 @@ class Service:
             fact = self.node.freeze_fact(stream, generation)
         except FactError as exc:
             raise rejected(exc) from None
+        started = trio.current_time()
         if fact is not None:
             await self.submit(fact)
         with trio.move_on_after(math.inf if timeout is None else timeout):
@@ -208,6 +218,8 @@ class Service:
                 if answer.resolved:
                     self.hub.view_changed()
                     await self.durable()
+                    if fact is not None and self._on_recovery is not None:
+                        self._on_recovery(stream, trio.current_time() - started)
                     return api.generation_to_wire(stream, answer)
                 await self.hub.wait_changed()
         answer = self.node.generation(stream, generation)
