@@ -13,23 +13,39 @@ Every subcommand is one request to the daemon through `convergenced.client.Clien
     convergencectl wait job 120 --timeout 60
     convergencectl restore-point job 3 --timeout 60
     convergencectl watch job --json | jq .restore_point
+    convergencectl top job
 
 Output is short text for people; with ``--json`` (before or after the subcommand)
 it is the daemon's result map as one JSON line (sorted keys), and ``watch`` prints
 one such line per event, flushed, so it works in pipelines. Errors go to stderr as
 ``convergencectl: <kind>: <message> [<reason>]``.
 
+``top [STREAM] [--interval S] [--count N] [--no-clear]`` is the live view of one
+stream (default: the first one ``streams`` lists): a header (node, cluster, time of
+the last update), the restore point, proposal, knowledge, convergence interval, skew
+and per-domain skew, GC horizon; the epoch lattice (a row per member, a column per
+domain, the newest epoch all the member's ranks hold there, ``-`` for none; ``*``
+marks the lowest epoch of a domain whose members differ, ``!`` an epoch older than
+the restore point); then the links (peer, state, in sync) and configured peers with
+no link. It draws a frame on every ``watch`` event and whenever a link comes up, goes
+down or changes sync, asking the daemon's ``status`` at most every ``--interval``
+seconds (default 1). On a terminal it redraws in place (ANSI; colours unless
+``$NO_COLOR`` is set); with ``--no-clear`` or when stdout is not a terminal it
+prints the frames one after another, separated by a blank line. `render_top` draws
+one frame from a state map and a status map and nothing else.
+
 The socket is ``--socket``, else ``$CONVERGENCED_SOCKET``, else the daemon's default
 (`convergenced.client.default_socket`).
 
 Exit codes:
 
-* 0: done (``watch``: stopped by ``--count``, Ctrl-C or a closed output pipe).
-* 1: failed: the daemon answered with an error (rejected, timeout, ...).
+* 0: done (``watch``, ``top``: stopped by ``--count``, Ctrl-C or a closed output pipe).
+* 1: failed: the daemon answered with an error (rejected, timeout, ...); ``top``
+  without STREAM on a node with no stream declared.
 * 2: usage: bad arguments (argparse errors, an unreadable or invalid spec file).
 * 3: daemon unreachable: nothing listens on the socket, the connection was lost
   mid-request, or the daemon is shutting down.
-* 130: interrupted by Ctrl-C (any command but ``watch``).
+* 130: interrupted by Ctrl-C (any command but ``watch`` and ``top``).
 """
 
 from __future__ import annotations
@@ -37,8 +53,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import sys
 import textwrap
+import threading
 import time
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
@@ -59,11 +77,12 @@ EXIT_INTERRUPTED = 130
 
 EXIT_CODES_HELP = """\
 exit codes:
-  0    done (watch: stopped by --count, Ctrl-C or a closed output pipe)
-  1    failed: the daemon answered with an error (rejected, timeout, ...)
+  0    done (watch, top: stopped by --count, Ctrl-C or a closed output pipe)
+  1    failed: the daemon answered with an error (rejected, timeout, ...);
+       top: no stream declared on this node
   2    usage: bad arguments, unreadable or invalid spec file
   3    daemon unreachable: not listening, connection lost, or shutting down
-  130  interrupted by Ctrl-C (any command but watch)
+  130  interrupted by Ctrl-C (any command but watch and top)
 """
 
 SOCKET_HELP = (
@@ -98,6 +117,14 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
     if not value >= 0:  # also refuses NaN
         raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative number of seconds")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    """A positive, finite number of seconds."""
+    value = _seconds(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
     return value
 
 
@@ -199,7 +226,44 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("stream", metavar="STREAM")
     p.add_argument("--count", type=_natural, metavar="N", help="stop after N events")
+    _add_top(add)
     return parser
+
+
+def _add_top(add: Callable[[str, str, str], argparse.ArgumentParser]) -> None:
+    p = add(
+        "top",
+        "live view: epoch lattice, restore point, skew, links",
+        "Show STREAM live: restore point, proposal, knowledge, convergence interval, "
+        "skew and per-domain skew, GC horizon; the epoch lattice (members x domains, "
+        "the newest epoch all of a member's ranks hold; '*' marks the lowest epoch of a "
+        "domain whose members differ, '!' an epoch older than the restore point); and "
+        "the links to the peers. A new frame on every change of the stream (as watch "
+        "sees it) and whenever a link comes up, goes down or changes sync. On a "
+        "terminal the screen is redrawn in place; otherwise frames follow each other, "
+        "separated by a blank line. Until Ctrl-C (exit 0) or the daemon goes away "
+        "(exit 3).",
+    )
+    p.add_argument(
+        "stream",
+        nargs="?",
+        metavar="STREAM",
+        help="the stream to show (default: the first one `streams` lists; exit 1 if none)",
+    )
+    p.add_argument(
+        "--interval",
+        type=_positive_seconds,
+        default=1.0,
+        metavar="S",
+        help="ask the daemon for its links at most every S seconds (default: 1.0)",
+    )
+    p.add_argument("--count", type=_natural, metavar="N", help="stop after N frames")
+    p.add_argument(
+        "--no-clear",
+        action="store_true",
+        help="never clear the screen: print the frames one after another, separated by "
+        "a blank line (the default when stdout is not a terminal)",
+    )
 
 
 def _add_declare(add: Callable[[str, str, str], argparse.ArgumentParser]) -> None:
@@ -433,9 +497,7 @@ def format_state(st: Mapping[str, Any]) -> str:
     spec = st["spec"]
     policy = spec["policy"]
     ranks = sum(len(r) for r in spec["members"].values())
-    skew = _value(st.get("skew"), "unknown")
-    if st.get("domain_skew"):
-        skew += " (" + ", ".join(f"{d} {s}" for d, s in st["domain_skew"].items()) + ")"
+    skew = _skew(st)
     conflicts = [f"{m} (spec {digest[:16]})" for m, digest in st.get("conflicts", [])]
     lines = _fields(
         [
@@ -462,6 +524,14 @@ def format_state(st: Mapping[str, Any]) -> str:
         ]
     )
     return "\n".join(lines + _newest_table(spec, st["newest"]))
+
+
+def _skew(st: Mapping[str, Any]) -> str:
+    """``2 (nvme 2, s3 0)``: the skew, and per domain."""
+    skew = _value(st.get("skew"), "unknown")
+    if st.get("domain_skew"):
+        skew += " (" + ", ".join(f"{d} {s}" for d, s in sorted(st["domain_skew"].items())) + ")"
+    return skew
 
 
 def _newest_table(spec: Mapping[str, Any], newest: Mapping[str, Mapping[str, int]]) -> list[str]:
@@ -502,6 +572,163 @@ def format_restore_point(r: Mapping[str, Any]) -> str:
     if r.get("lost"):
         text += " (lost since: retracted; open a newer generation)"
     return text
+
+
+# -- top: one frame ---------------------------------------------------------------------
+
+CLEAR_SCREEN = "\x1b[H\x1b[2J"
+_BOLD, _DIM, _RED, _GREEN, _YELLOW, _RESET = (
+    "\x1b[1m", "\x1b[2m", "\x1b[31m", "\x1b[32m", "\x1b[33m", "\x1b[0m"
+)  # fmt: skip
+LAGGARD_MARK = "*"
+"""After the lowest epoch of a domain whose members differ (the domain's skew)."""
+STALE_MARK = "!"
+"""After an epoch older than the restore point."""
+
+
+def _paint(text: str, code: str, color: bool) -> str:
+    return f"{code}{text}{_RESET}" if color and code and text.strip() else text
+
+
+def _grid(rows: list[list[tuple[str, str]]], color: bool, indent: str = "  ") -> list[str]:
+    """Rows of (text, colour) cells as left-aligned columns (padded outside the colour
+    codes, which take no width)."""
+    widths = [max(len(row[i][0]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        cells = [
+            _paint(text, code, color) + " " * (w - len(text))
+            for (text, code), w in zip(row, widths, strict=True)
+        ]
+        lines.append((indent + "  ".join(cells)).rstrip())
+    return lines
+
+
+def _lattice(state: Mapping[str, Any], node: str | None, color: bool) -> tuple[list[str], set[str]]:
+    """The epoch lattice, and the marks it used."""
+    spec = state.get("spec") or {}
+    newest: Mapping[str, Mapping[str, int]] = state.get("newest") or {}
+    policy_domains = (spec.get("policy") or {}).get("domains") or []
+    domains = sorted(set(policy_domains).union(*(d.keys() for d in newest.values())))
+    members = sorted(set(spec.get("members") or {}) | set(newest))
+    if not members:
+        return ["  no members"], set()
+    missing = set(state.get("missing") or [])
+    conflicting = {m for m, _ in state.get("conflicts") or []}
+    restore_point = state.get("restore_point")
+    lowest = {}
+    for d in domains:
+        epochs = [newest[m][d] for m in members if d in newest.get(m, {})]
+        if len(set(epochs)) > 1:
+            lowest[d] = min(epochs)
+    used: set[str] = set()
+    rows: list[list[tuple[str, str]]] = [
+        [("member", _BOLD), *((d, _BOLD) for d in domains), ("", "")]
+    ]
+    for m in members:
+        cells = [(m, "")]
+        for d in domains:
+            epoch = newest.get(m, {}).get(d)
+            if epoch is None:
+                cells.append(("-", _DIM))
+                continue
+            marks, code = "", _GREEN
+            if restore_point is not None and epoch < restore_point:
+                marks, code = STALE_MARK, _RED
+            if lowest.get(d) == epoch:
+                marks += LAGGARD_MARK
+                code = code if code == _RED else _YELLOW
+            used.update(marks)
+            cells.append((f"{epoch}{marks}", code))
+        notes = [
+            text
+            for text, applies in (
+                ("this node", m == node),
+                ("not heard from", m in missing),
+                ("different spec", m in conflicting),
+            )
+            if applies
+        ]
+        cells.append((", ".join(notes), _RED if m in missing | conflicting else _DIM))
+        rows.append(cells)
+    lines = _grid(rows, color)
+    if not domains:
+        lines.append("  no domains reported yet")
+    return lines, used
+
+
+def _links(status: Mapping[str, Any] | None, color: bool) -> list[str]:
+    """Links to peers, then configured peers with no link."""
+    if status is None:
+        return ["links  unknown"]
+    links = list(status.get("links") or [])
+    linked = {link.get("peer") for link in links}
+    idle = [p for p in status.get("peers") or [] if p.get("id") not in linked]
+    if not links and not idle:
+        return ["links  none"]
+    rows: list[list[tuple[str, str]]] = [[("peer", _BOLD), ("state", _BOLD), ("sync", _BOLD)]]
+    for link in links:
+        in_sync = bool(link.get("in_sync"))
+        rows.append(
+            [
+                (_value(link.get("peer"), "?"), ""),
+                (str(link.get("state", "")), ""),
+                ("in sync" if in_sync else "not in sync", _GREEN if in_sync else _YELLOW),
+            ]
+        )
+    for peer in idle:
+        rows.append([(str(peer.get("id")), ""), ("no link", _RED), ("-", _DIM)])
+    return ["links", *_grid(rows, color)]
+
+
+def render_top(
+    state: Mapping[str, Any],
+    status: Mapping[str, Any] | None,
+    *,
+    updated: float | None = None,
+    color: bool = False,
+) -> str:
+    """One frame of ``top``: a state map (LOCAL_API.md section 4) and a ``status``
+    result (nil: not known) as text, without a trailing newline.
+
+    Pure: ``updated`` is the wall-clock time shown in the header (nil: none shown),
+    ``color`` adds ANSI colours (the marks and layout are the same without them).
+    """
+    node = None if status is None else status.get("node")
+    head = "convergencectl top"
+    if status is not None:
+        head += f"  {node} (cluster {status.get('cluster', '?')})"
+    if updated is not None:
+        head += f"  updated {time.strftime('%H:%M:%S', time.localtime(updated))}"
+    stream = str(state.get("stream", "?"))
+    others = [s for s in (status or {}).get("streams") or [] if s != stream]
+    if others:
+        stream += f" (other streams: {', '.join(others)})"
+    pairs = [
+        ("stream", stream),
+        ("restore point", _value(state.get("restore_point"))),
+        ("proposal", _value(state.get("proposal"))),
+        ("knowledge", _value(state.get("knowledge"), "unknown")),
+        ("convergence", format_intervals(state.get("convergence"))),
+        ("skew", _skew(state)),
+        ("gc horizon", _value(state.get("gc_horizon"))),
+    ]
+    if state.get("missing"):
+        pairs.append(("missing", _names(state["missing"])))
+    if state.get("conflicts"):
+        pairs.append(("conflicts", _names(m for m, _ in state["conflicts"])))
+    pairs += [("warning", str(w)) for w in (status or {}).get("warnings") or []]
+    lattice, marks = _lattice(state, node, color)
+    lines = [_paint(head, _BOLD, color), *_fields(pairs), "", "epoch lattice", *lattice]
+    legend = []
+    if LAGGARD_MARK in marks:
+        legend.append(f"{LAGGARD_MARK} lowest of its domain")
+    if STALE_MARK in marks:
+        legend.append(f"{STALE_MARK} older than the restore point")
+    if legend:
+        lines.append("  " + "; ".join(legend))
+    lines += ["", *_links(status, color)]
+    return "\n".join(lines)
 
 
 def _format_fact(verb: str) -> Callable[[Mapping[str, Any], argparse.Namespace], str]:
@@ -574,11 +801,118 @@ def _watch(client: Client, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+class _Watcher:
+    """Runs `Client.watch` in a thread and queues its states, then the exception that
+    ended it; it ends when the client closes."""
+
+    def __init__(self, client: Client, stream: str) -> None:
+        self.events: queue.SimpleQueue[dict[str, Any] | Exception] = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=self._run, args=(client, stream), name="convergencectl-top", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, client: Client, stream: str) -> None:
+        try:
+            for state in client.watch(stream):
+                self.events.put(state)
+        except Exception as exc:  # handed to the drawing thread, which raises it
+            self.events.put(exc)
+        else:  # pragma: no cover - the watch generator only ends by raising
+            self.events.put(DaemonUnreachable("the watch ended"))
+
+    def next(self, timeout: float) -> dict[str, Any] | None:
+        """The newest state queued within ``timeout`` seconds (older ones are skipped:
+        each is a whole state); nil if none came.
+
+        Raises:
+            ApiError, DaemonUnreachable: what ended the watch.
+        """
+        try:
+            item = self.events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        while True:
+            if isinstance(item, Exception):
+                raise item
+            try:
+                newer = self.events.get_nowait()
+            except queue.Empty:
+                return item
+            item = newer
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+
+def _link_key(status: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What a new ``top`` frame is drawn for: links up or down, in sync or not (not
+    the link state, which moves with every token exchange)."""
+    links = sorted((str(link.get("peer")), bool(link.get("in_sync"))) for link in status["links"])
+    peers = sorted((str(p.get("id")), bool(p.get("connected"))) for p in status["peers"])
+    return tuple(links), tuple(peers)
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+def _top(client: Client, args: argparse.Namespace) -> int:
+    """Draw frames until ``--count`` of them (else until interrupted or lost)."""
+    if args.count == 0:
+        return EXIT_OK
+    stream = args.stream
+    if stream is None:
+        streams = client.streams()
+        if not streams:
+            _fail("failed", "no stream is declared on this node (declare one, or name STREAM)")
+            return EXIT_FAILED
+        stream = streams[0]
+    tty = _isatty(sys.stdout)
+    clear = tty and not args.no_clear
+    color = tty and not os.environ.get("NO_COLOR")
+    status = client.status()
+    asked = time.monotonic()
+    links = _link_key(status)
+    # The blocking client takes concurrent requests on one connection: the watch runs
+    # in a thread, the status requests here.
+    watcher = _Watcher(client, stream)
+    state: dict[str, Any] | None = None
+    frames = 0
+    try:
+        while True:
+            event = watcher.next(max(0.0, asked + args.interval - time.monotonic()))
+            changed = event is not None
+            if event is not None:
+                state = event
+            if time.monotonic() - asked >= args.interval:
+                status = client.status()
+                asked = time.monotonic()
+                key = _link_key(status)
+                changed = changed or key != links
+                links = key
+            if state is None or not changed:
+                continue
+            frame = render_top(state, status, updated=time.time(), color=color)
+            print((CLEAR_SCREEN if clear else "\n" if frames else "") + frame, flush=True)
+            frames += 1
+            if args.count is not None and frames >= args.count:
+                return EXIT_OK
+    finally:
+        client.close()  # ends the watch (its thread sees the connection closed)
+        watcher.join(timeout=5)
+
+
 def _request(args: argparse.Namespace) -> int:
     """Connect, make the request, print the result; exceptions go to `_run`."""
     with Client(args.socket) as client:
         if args.command == "watch":
             return _watch(client, args)
+        if args.command == "top":
+            return _top(client, args)
         command = COMMANDS[args.command]
         result = command.call(client, args)
         text = _dumps(result) if args.json else command.show(result, args)
@@ -604,7 +938,7 @@ def _run(args: argparse.Namespace) -> int:
         _fail("unreachable", str(err))
         return EXIT_UNREACHABLE
     except KeyboardInterrupt:
-        return EXIT_OK if args.command == "watch" else EXIT_INTERRUPTED
+        return EXIT_OK if args.command in ("watch", "top") else EXIT_INTERRUPTED
     except BrokenPipeError:
         _silence_stdout()
         return EXIT_OK
@@ -647,6 +981,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.spec_value = _spec_from_args(args)
             except UsageError as exc:
                 _usage(args, str(exc))
+        if args.command == "top" and args.json:
+            _usage(args, "top draws for people; for JSON use: watch STREAM --json")
     except SystemExit as exc:  # argparse: --help, --version, usage errors
         return _exit_code(exc)
     return _run(args)
