@@ -30,9 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the daemon",
         description="Run the daemon: peer links over TCP, the local API on a Unix socket, "
         "facts in a write-ahead log. SIGTERM/SIGINT shut down gracefully; SIGHUP reloads "
-        "peers, mesh_limit, log_level and wal_compact_bytes. Exit 0 after a clean shutdown; "
-        "1 when it cannot start (bad configuration, state directory in use, port taken, "
-        "corrupt log) or when the write-ahead log fails while running.",
+        "peers, mesh_limit, log_level, wal_compact_bytes and the trust list. Exit 0 after "
+        "a clean shutdown; 1 when it cannot start (bad configuration, state directory in "
+        "use, port taken, corrupt log) or when the write-ahead log fails while running.",
     )
     run.add_argument(
         "--config",

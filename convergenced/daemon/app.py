@@ -33,7 +33,7 @@ import trio
 
 from convergenced import __version__
 from convergenced.core.errors import ConvergencedError, ProtocolError
-from convergenced.core.facts import Commit, Fact, Retract
+from convergenced.core.facts import Commit, Declare, Fact, Retract
 from convergenced.core.link import LinkConfig, Role
 from convergenced.core.node import (
     GenerationResolved,
@@ -65,6 +65,18 @@ log = structlog.get_logger("convergenced.daemon")
 WAL_NAME = "facts.wal"
 LOCK_NAME = "lock"
 SHUTDOWN_GRACE_S = 5.0
+PRIMED_FRAME_REASONS = (
+    "tls_handshake_failed",
+    "tls_handshake_timeout",
+    "tls_wrong_peer",
+    "out_of_order",
+    "invalid_field",
+    "malformed_body",
+    "unknown_node",
+    "wrong_cluster",
+    "unexpected_peer",
+)
+"""Rejection reasons whose counters start at zero (any other appears on first use)."""
 WARN_INTERVAL_S = 10.0
 """At most one warning per reason this often (rejections are counted regardless)."""
 
@@ -227,6 +239,7 @@ class Daemon:
                 nursery.start_soon(self._watch_signals)
                 nursery.start_soon(self._drain_events)
                 nursery.start_soon(self._compactor)
+                self._prime_metrics()
                 await self._start_http(nursery)
                 self._start_dialers(cfg)
                 log.info(
@@ -556,6 +569,7 @@ class Daemon:
             logs.configure(new.log_level, old.node_id, json=self.log_json)
         assert self.hub is not None
         self.hub.link_config = self._link_config(kept)
+        self._prime_metrics()
         self._start_dialers(kept)
         log.info(
             "configuration reloaded",
@@ -605,8 +619,34 @@ class Daemon:
     def _count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
 
+    def _prime_metrics(self) -> None:
+        # Labelled series exist only from their first increment, and Prometheus'
+        # rate()/increase() cannot see that first event: a stream's first rollback
+        # would never fire an alert. So every bounded label set starts at zero.
+        m = self.metrics
+        if self.node is not None:
+            for stream in self.node.streams():
+                self._prime_stream(stream)
+        for peer in self.config.peers:
+            m.reconnects.labels(peer=peer.node_id)
+        for reason in ("unknown_origin", "unsigned", "bad_signature"):
+            m.records_rejected.labels(reason=reason)
+        for reason in PRIMED_FRAME_REASONS:
+            m.frames_rejected.labels(reason=reason)
+
+    def _prime_stream(self, stream: str) -> None:
+        assert self.node is not None
+        m = self.metrics
+        m.rollbacks.labels(stream=stream)
+        m.retractions.labels(stream=stream)
+        for domain in self.node.spec(stream).policy.domains:
+            for outcome in ("accepted", "rejected"):
+                m.commits.labels(domain=domain, outcome=outcome)
+
     def _count_fact(self, fact: Fact) -> None:
         self._count(f"facts_{type(fact).__name__.lower()}")
+        if isinstance(fact, Declare):
+            self._prime_stream(fact.spec.name)
         if isinstance(fact, Commit):
             self.metrics.commits.labels(domain=fact.domain, outcome="accepted").inc()
         elif isinstance(fact, Retract):

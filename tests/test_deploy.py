@@ -1,0 +1,925 @@
+"""The deployment files (deploy/, Dockerfile) agree with the daemon and pass their tools.
+
+What is checked, and against what:
+
+* ``deploy/systemd/convergenced.service``: ``systemd-analyze verify`` (any warning about
+  the unit fails, not only the exit code, because systemd merely warns about unknown
+  keys) and ``systemd-analyze security`` (exposure 2.0 or better), plus the settings the
+  daemon relies on (``Type=notify``, the watchdog, its directories, its config path).
+* ``Dockerfile`` and ``.dockerignore``: read, not built (no Docker engine here): base
+  image, non-root user, exec-form entrypoint and healthcheck, ports and volumes equal to
+  the daemon's defaults, and a build context that keeps what the build copies.
+* ``deploy/k8s/``: every manifest parses; the DaemonSet and the sidecar example agree
+  with the daemon's defaults (ports, socket and state paths, probes, healthcheck) and
+  with their own configuration files, which must pass `config.parse`; the Prometheus
+  scrape job keeps exactly the daemon's metrics port (its relabelling is replayed here)
+  and passes ``promtool check config``.
+* ``deploy/prometheus/``: ``promtool check rules`` and ``check config``, and
+  ``promtool test rules`` proving that each alert fires on the situation it names and
+  not on a healthy one.
+* ``deploy/grafana/``: a valid dashboard whose every query is valid PromQL (checked by
+  promtool) and filters by the ``$stream`` variable where the metric has a stream.
+* Every metric name that alerts and dashboard use is in `METRICS`, the documented list,
+  and `METRICS` is what the daemon implements.
+
+promtool (Debian package ``prometheus``) and systemd-analyze (``systemd``) are installed
+by ``.ci/run``; without them these tests skip, except under ``CI=true``, where a
+missing tool fails.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import functools
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import pytest
+import yaml
+
+from convergenced import cli
+from convergenced.daemon import config
+
+REPO = Path(__file__).resolve().parent.parent
+DEPLOY = REPO / "deploy"
+UNIT = DEPLOY / "systemd" / "convergenced.service"
+ALERTS = DEPLOY / "prometheus" / "alerts.yml"
+PROMETHEUS_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
+DASHBOARD = DEPLOY / "grafana" / "convergenced-dashboard.json"
+K8S = DEPLOY / "k8s"
+IN_CI = os.environ.get("CI") == "true"
+
+PEER_PORT = config.DEFAULT_PORT
+_metrics_default = config.Config(node_id="n").metrics_listen
+assert _metrics_default is not None
+METRICS_PORT = _metrics_default[1]
+SOCKET_DIR = config.DEFAULT_SOCKET.parent
+STATE_DIR = config.DEFAULT_STATE_DIR
+CONFIG_PATH = cli.DEFAULT_CONFIG
+HEALTHCHECK = ["convergenced", "healthcheck"]
+IMAGE_UID = 10001
+"""The Dockerfile's user and group id, which the manifests and their configs use."""
+
+METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "convergenced_build_info": ("gauge", ("version",)),
+    "convergenced_restore_point_epoch": ("gauge", ("stream",)),
+    "convergenced_proposal_epoch": ("gauge", ("stream",)),
+    "convergenced_convergence_low_epoch": ("gauge", ("stream",)),
+    "convergenced_convergence_high_epoch": ("gauge", ("stream",)),
+    "convergenced_epoch_skew": ("gauge", ("stream",)),
+    "convergenced_domain_divergence": ("gauge", ("stream", "domain")),
+    "convergenced_restore_point_age_seconds": ("gauge", ("stream",)),
+    "convergenced_rpo_epochs": ("gauge", ("stream",)),
+    "convergenced_knowledge_level": ("gauge", ("stream",)),
+    "convergenced_rollbacks_total": ("counter", ("stream",)),
+    "convergenced_retractions_total": ("counter", ("stream",)),
+    "convergenced_commits_total": ("counter", ("domain", "outcome")),
+    "convergenced_recovery_seconds": ("gauge", ("stream",)),
+    "convergenced_peer_up": ("gauge", ("peer",)),
+    "convergenced_peer_exchange_rtt_seconds": ("histogram", ("peer",)),
+    "convergenced_peer_reconnects_total": ("counter", ("peer",)),
+    "convergenced_peer_frames_total": ("counter", ("peer", "type", "direction")),
+    "convergenced_peer_bytes_total": ("counter", ("peer", "direction")),
+    "convergenced_frames_rejected_total": ("counter", ("reason",)),
+    "convergenced_records_rejected_total": ("counter", ("reason",)),
+    "convergenced_api_errors_total": ("counter", ("reason",)),
+    "convergenced_wal_fsync_duration_seconds": ("histogram", ()),
+    "convergenced_wal_bytes": ("gauge", ()),
+    "convergenced_local_clients": ("gauge", ()),
+}
+"""The documented metrics, the source of truth for alerts and dashboard: name -> (type,
+labels). `test_metrics_list_is_what_the_daemon_exports` holds the daemon to it."""
+
+_HISTOGRAM_SERIES = ("_bucket", "_sum", "_count")
+_METRIC_RE = re.compile(r"\bconvergenced_[a-z0-9_]+")
+
+
+# -- helpers -------------------------------------------------------------------------
+
+
+def need_tool(name: str, package: str) -> str:
+    """The path of ``name``; skip without it, or fail under CI."""
+    path = shutil.which(name)
+    if path is None:
+        reason = f"{name} not installed (Debian package {package}; .ci/run installs it)"
+        if IN_CI:
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return path
+
+
+def run(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False, **kwargs)
+
+
+@functools.cache
+def yaml_documents(path: Path) -> list[Any]:
+    """The YAML documents in ``path`` (PyYAML is a dev dependency)."""
+    text = path.read_text(encoding="utf-8")
+    return [d for d in yaml.safe_load_all(text) if d is not None]
+
+
+def k8s_objects() -> list[tuple[Path, dict[str, Any]]]:
+    return [(p, d) for p in sorted(K8S.glob("*.yaml")) for d in yaml_documents(p)]
+
+
+def k8s_object(kind: str, path: Path | None = None) -> dict[str, Any]:
+    found = [d for p, d in k8s_objects() if d["kind"] == kind and path in (None, p)]
+    assert len(found) == 1, f"expected one {kind} in {path or K8S}, found {len(found)}"
+    return found[0]
+
+
+def configmap(name: str) -> dict[str, str]:
+    found = [
+        d for _, d in k8s_objects() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == name
+    ]
+    assert len(found) == 1, f"ConfigMap {name} is referenced but not shipped in {K8S}"
+    data: dict[str, str] = found[0]["data"]
+    return data
+
+
+def by_name(items: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    found = [i for i in items if i["name"] == name]
+    assert len(found) == 1, f"no single {name!r} among {[i['name'] for i in items]}"
+    return found[0]
+
+
+def mounts(container: dict[str, Any], volumes: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """mountPath -> the volume mounted there."""
+    return {m["mountPath"]: by_name(volumes, m["name"]) for m in container["volumeMounts"]}
+
+
+def port_number(container: dict[str, Any], port: int | str) -> int:
+    if isinstance(port, int):
+        return port
+    return int(by_name(container["ports"], port)["containerPort"])
+
+
+def container_ports(container: dict[str, Any]) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for p in container["ports"]}
+
+
+def expressions(node: Any) -> Iterator[str]:
+    """Every PromQL expression in a dashboard or rule file structure."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "expr" and isinstance(value, str):
+                yield value
+            else:
+                yield from expressions(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from expressions(item)
+
+
+def metric_of(series: str) -> str | None:
+    """The documented metric a series name belongs to, or None."""
+    if series in METRICS:
+        return series
+    for suffix in _HISTOGRAM_SERIES:
+        base = series.removesuffix(suffix)
+        if base != series and METRICS.get(base, ("",))[0] == "histogram":
+            return base
+    return None
+
+
+def parse_unit(text: str) -> dict[str, dict[str, list[str]]]:
+    """A systemd unit file: section -> key -> values in order (keys may repeat)."""
+    sections: dict[str, dict[str, list[str]]] = {}
+    current: dict[str, list[str]] | None = None
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            current = sections.setdefault(line[1:-1], {})
+            continue
+        assert current is not None, f"key outside a section: {line!r}"
+        key, _, value = line.partition("=")
+        current.setdefault(key.strip(), []).append(value.strip())
+    return sections
+
+
+def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if line.startswith("#") or not line:
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        line = pending + line
+        pending = ""
+        word, _, rest = line.partition(" ")
+        out.append((word.upper(), rest.strip()))
+    assert not pending, "Dockerfile ends inside a continued line"
+    return out
+
+
+def dockerignored(path: str, patterns: list[str]) -> bool:
+    """Whether Docker leaves ``path`` (relative, POSIX) out of the build context."""
+    parts = PurePosixPath(path).parts
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    ignored = False
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        pat = pattern.lstrip("!").strip("/")
+        if pat.startswith("**/"):
+            sub = pat[3:]
+            hit = any(fnmatch.fnmatchcase(p, sub) for p in parts) or any(
+                fnmatch.fnmatchcase("/".join(parts[i:]), sub) for i in range(len(parts))
+            )
+        else:
+            hit = any(fnmatch.fnmatchcase(p, pat) for p in prefixes)
+        if hit:
+            ignored = not negate
+    return ignored
+
+
+# -- systemd ---------------------------------------------------------------------------
+
+
+def test_unit_matches_the_daemon() -> None:
+    unit = parse_unit(UNIT.read_text(encoding="utf-8"))
+    service = {k: v[-1] for k, v in unit["Service"].items()}
+
+    # Readiness and liveness come from the daemon's sd_notify.
+    assert service["Type"] == "notify"
+    assert service["NotifyAccess"] == "main"
+    assert re.fullmatch(r"\d+s?", service["WatchdogSec"])
+    assert service["Restart"] == "on-failure"
+    assert service["KillSignal"] == "SIGTERM"
+    assert int(service["TimeoutStopSec"]) > 5, "the daemon drains for up to 5 s"
+    assert service["ExecReload"] == "/bin/kill -HUP $MAINPID"
+
+    argv = shlex.split(service["ExecStart"])
+    assert argv[0].startswith("/") and argv[0].endswith("/convergenced")
+    assert argv[1:] == ["run", "--config", str(CONFIG_PATH)]
+
+    # The directories systemd makes for it are the daemon's default ones.
+    assert Path("/run", service["RuntimeDirectory"]) == SOCKET_DIR
+    assert Path("/var/lib", service["StateDirectory"]) == STATE_DIR
+    assert service["RuntimeDirectoryMode"] == service["StateDirectoryMode"] == "0750"
+    assert str(STATE_DIR) in service["ReadWritePaths"].split()
+    assert str(CONFIG_PATH.parent) in service["ReadOnlyPaths"].lstrip("-").split()
+    assert service["User"] == service["Group"] == "convergenced"
+
+    hardening = {
+        "NoNewPrivileges": "yes",
+        "ProtectSystem": "strict",
+        "ProtectHome": "yes",
+        "PrivateTmp": "yes",
+        "PrivateDevices": "yes",
+        "ProtectKernelTunables": "yes",
+        "ProtectKernelModules": "yes",
+        "ProtectKernelLogs": "yes",
+        "ProtectControlGroups": "yes",
+        "ProtectClock": "yes",
+        "ProtectHostname": "yes",
+        "RestrictNamespaces": "yes",
+        "RestrictRealtime": "yes",
+        "RestrictSUIDSGID": "yes",
+        "LockPersonality": "yes",
+        "MemoryDenyWriteExecute": "yes",
+        "SystemCallArchitectures": "native",
+        "CapabilityBoundingSet": "",
+    }
+    assert {k: service.get(k) for k in hardening} == hardening
+    assert set(service["RestrictAddressFamilies"].split()) == {"AF_UNIX", "AF_INET", "AF_INET6"}
+    assert "@system-service" in unit["Service"]["SystemCallFilter"]
+    # Both would hide the training jobs' credentials from the daemon (see the unit).
+    assert "PrivateUsers" not in service and "ProtectProc" not in service
+
+
+def test_unit_passes_systemd_analyze(tmp_path: Path) -> None:
+    analyze = need_tool("systemd-analyze", "systemd")
+    # verify insists that ExecStart= exists: point it at this environment's daemon.
+    binary = Path(sys.executable).with_name("convergenced")
+    if not binary.exists():
+        binary = Path(shutil.which("convergenced") or "/nonexistent/convergenced")
+    assert binary.exists(), "the convergenced console script is not installed"
+    text = UNIT.read_text(encoding="utf-8")
+    argv0 = shlex.split(parse_unit(text)["Service"]["ExecStart"][-1])[0]
+    unit = tmp_path / UNIT.name
+    unit.write_text(text.replace(f"ExecStart={argv0} ", f"ExecStart={binary} "), encoding="utf-8")
+
+    proc = run([analyze, "verify", "--man=no", str(unit)], cwd=tmp_path)
+    # Unknown keys and unparsable values are only warnings: any line naming the unit fails.
+    complaints = [line for line in proc.stderr.splitlines() if UNIT.name in line]
+    assert proc.returncode == 0 and not complaints, proc.stderr
+
+    proc = run([analyze, "security", "--offline=yes", "--threshold=20", str(unit)], cwd=tmp_path)
+    assert proc.returncode == 0, "exposure above 2.0:\n" + proc.stdout[-3000:] + proc.stderr
+
+
+# -- Docker ----------------------------------------------------------------------------
+
+
+def test_dockerfile_matches_the_daemon() -> None:
+    steps = dockerfile_instructions((REPO / "Dockerfile").read_text(encoding="utf-8"))
+    froms = [args.split()[0] for word, args in steps if word == "FROM"]
+    assert froms and all(f == "python:3.11-slim" for f in froms), froms
+    final = steps[max(i for i, (w, _) in enumerate(steps) if w == "FROM") :]
+
+    def last(word: str) -> str:
+        found = [args for w, args in final if w == word]
+        assert found, f"no {word} in the final stage"
+        return found[-1]
+
+    user = last("USER")
+    assert user.split(":")[0] == str(IMAGE_UID), "numeric, so runAsNonRoot can check it"
+    assert user.split(":")[0] not in ("root", "0")
+    # Nothing runs as root after USER.
+    assert [w for w, _ in final[[w for w, _ in final].index("USER") :]].count("RUN") == 0
+
+    assert json.loads(last("ENTRYPOINT")) == ["convergenced", "run", "--config", str(CONFIG_PATH)]
+    health = last("HEALTHCHECK")
+    assert json.loads(health[health.index("CMD") + 3 :]) == HEALTHCHECK
+    assert {int(p.split("/")[0]) for p in last("EXPOSE").split()} == {PEER_PORT, METRICS_PORT}
+    assert set(json.loads(last("VOLUME"))) == {str(STATE_DIR), str(SOCKET_DIR)}
+    assert all("[dev]" not in args for w, args in steps if w == "RUN"), "no dev extra"
+
+    # The build copies what the package build reads, and the context still holds it.
+    ignore = [
+        line.strip()
+        for line in (REPO / ".dockerignore").read_text(encoding="utf-8").splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    sources = [
+        src
+        for w, args in steps
+        if w == "COPY" and "--from" not in args
+        for src in args.split()[:-1]
+    ]
+    readme = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"][
+        "readme"
+    ]
+    assert {"pyproject.toml", readme, "convergenced"} <= set(sources)
+    for src in sources:
+        assert (REPO / src).exists(), src
+        assert not dockerignored(src, ignore), f".dockerignore drops {src}, which COPY needs"
+    package = [p.relative_to(REPO).as_posix() for p in (REPO / "convergenced").rglob("*.py")]
+    assert package and not [p for p in package if dockerignored(p, ignore)]
+    for local in (".venv", ".git", "convergenced/core/__pycache__/x.pyc", "tests/test_x.py"):
+        assert dockerignored(local, ignore), f"{local} would be sent to the Docker daemon"
+
+
+# -- Kubernetes ------------------------------------------------------------------------
+
+
+def test_k8s_manifests_parse() -> None:
+    objects = k8s_objects()
+    assert {p.name for p, _ in objects} >= {
+        "daemonset.yaml",
+        "configmap.yaml",
+        "sidecar-example.yaml",
+        "prometheus-scrape.yaml",
+    }
+    for path, obj in objects:
+        assert isinstance(obj, dict), path
+        assert obj.get("apiVersion") and obj.get("kind"), path
+        assert obj["metadata"]["name"], path
+
+
+def check_daemon_container(c: dict[str, Any], pod: dict[str, Any]) -> None:
+    """What every convergenced container must have, sidecar or DaemonSet."""
+    assert "command" not in c and "args" not in c, "the image's entrypoint runs the daemon"
+    ports = container_ports(c)
+    assert ports == {"peer": PEER_PORT, "metrics": METRICS_PORT}
+    live, ready = c["livenessProbe"], c["readinessProbe"]
+    assert live["httpGet"]["path"] == "/healthz"
+    assert ready["httpGet"]["path"] == "/readyz"
+    for probe in (live, ready, c["startupProbe"]):
+        if "httpGet" in probe:
+            assert port_number(c, probe["httpGet"]["port"]) == METRICS_PORT
+        else:
+            assert probe["exec"]["command"] == HEALTHCHECK
+    assert c["resources"]["requests"].keys() >= {"cpu", "memory"}
+    assert "memory" in c["resources"]["limits"]
+    sc = {**pod.get("securityContext", {}), **c["securityContext"]}
+    assert sc["runAsNonRoot"] is True
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"]["drop"] == ["ALL"] and "add" not in sc["capabilities"]
+
+
+def check_config_files(
+    files: dict[str, str],
+    *,
+    daemon: dict[str, Any],
+    installer: dict[str, Any],
+    volumes: list[dict[str, Any]],
+    groups: set[int],
+) -> list[config.Config]:
+    """Each file parses, and agrees with the containers that install and run it."""
+    mounted = mounts(daemon, volumes)
+    script = " ".join(installer["command"])
+    cfgs = []
+    for name, text in files.items():
+        cfg = config.parse(tomllib.loads(text), name)
+        cfgs.append(cfg)
+        assert name == f"{cfg.node_id}.toml", "the installer picks the file by node name"
+        assert cfg.listen_port == PEER_PORT
+        assert cfg.metrics_listen == ("0.0.0.0", METRICS_PORT), "probes come from outside"
+        assert cfg.socket_path.parent.is_relative_to(SOCKET_DIR)
+        assert cfg.state_dir == STATE_DIR and str(STATE_DIR) in mounted
+        assert not mounted[str(STATE_DIR)].get("configMap")
+        assert cfg.tls is not None and cfg.peers, "a real cluster: peers over mutual TLS"
+        assert all(p.port == PEER_PORT for p in cfg.peers)
+        for path in (cfg.tls.cert, cfg.tls.key, cfg.tls.ca, cfg.identity_path):
+            # Copied out of the Secret by the installer, into the volume the daemon reads.
+            assert path.is_relative_to(CONFIG_PATH.parent), path
+            assert f" {path}" in script, f"{path} is not written by {installer['name']}"
+        for private in (cfg.tls.key, cfg.identity_path):
+            assert "install -m 0600 " in script.split(str(private))[0].rsplit(";", 1)[-1]
+        assert groups & set(cfg.allowed_gids), "the training side's group may use the socket"
+    assert f" {CONFIG_PATH};" in script
+    etc = mounted[str(CONFIG_PATH.parent)]
+    assert etc.get("emptyDir", {}).get("medium") == "Memory", "keys stay off the node's disk"
+    assert mounts(installer, volumes)[str(CONFIG_PATH.parent)] is etc
+    return cfgs
+
+
+def test_daemonset_agrees_with_the_daemon() -> None:
+    ds = k8s_object("DaemonSet")
+    template = ds["spec"]["template"]
+    pod = template["spec"]
+    volumes = pod["volumes"]
+    daemon = by_name(pod["containers"], "convergenced")
+    check_daemon_container(daemon, pod)
+
+    # Peers reach the daemon on the node's address.
+    assert pod.get("hostNetwork") is True or any(
+        p.get("hostPort") == PEER_PORT for p in daemon["ports"]
+    )
+    assert template["metadata"]["annotations"] == {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(METRICS_PORT),
+        "prometheus.io/path": "/metrics",
+    }
+    assert daemon["resources"]["requests"] == {"cpu": "50m", "memory": "100Mi"}
+    assert pod["securityContext"]["runAsUser"] == IMAGE_UID
+
+    # The socket in the node's /run/convergenced, where training pods mount it; state on
+    # the node, so it outlives the pod.
+    mounted = mounts(daemon, volumes)
+    assert mounted[str(SOCKET_DIR)]["hostPath"] == {
+        "path": str(SOCKET_DIR),
+        "type": "DirectoryOrCreate",
+    }
+    assert mounted[str(STATE_DIR)]["hostPath"]["path"] == str(STATE_DIR)
+
+    # Only the step that hands the host directories to the daemon's user runs as root,
+    # with CAP_CHOWN alone.
+    inits = {c["name"]: c for c in pod["initContainers"]}
+    for c in inits.values():
+        sc = c["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
+        if sc.get("runAsUser") == 0:
+            assert sc["capabilities"]["add"] == ["CHOWN"]
+            assert set(mounts(c, volumes)) == {str(SOCKET_DIR), str(STATE_DIR)}
+            assert f"chown {IMAGE_UID}:{IMAGE_UID}" in " ".join(c["command"])
+    installer = by_name(pod["initContainers"], "install-config")
+    assert mounts(installer, volumes)["/config-src"]["configMap"]["name"] == "convergenced-config"
+    assert "/config-src/$NODE_NAME.toml" in " ".join(installer["command"])
+    assert by_name(installer["env"], "NODE_NAME")["valueFrom"]["fieldRef"] == {
+        "fieldPath": "spec.nodeName"
+    }
+
+    cfgs = check_config_files(
+        configmap("convergenced-config"),
+        daemon=daemon,
+        installer=installer,
+        volumes=volumes,
+        groups={pod["securityContext"]["fsGroup"], IMAGE_UID},
+    )
+    for cfg in cfgs:
+        assert cfg.socket_path == config.DEFAULT_SOCKET, "training pods use the default path"
+
+
+def test_sidecar_example_agrees_with_the_daemon() -> None:
+    path = K8S / "sidecar-example.yaml"
+    job = k8s_object("Job", path)
+    pod = job["spec"]["template"]["spec"]
+    volumes = pod["volumes"]
+    sidecar = by_name(pod["initContainers"], "convergenced")
+    # A native sidecar: an init container that keeps running.
+    assert sidecar["restartPolicy"] == "Always"
+    assert sidecar["startupProbe"]["exec"]["command"] == HEALTHCHECK
+    check_daemon_container(sidecar, pod)
+    installer = by_name(pod["initContainers"], "convergenced-config")
+    assert "restartPolicy" not in installer
+    assert pod["initContainers"].index(installer) < pod["initContainers"].index(sidecar)
+
+    trainer = by_name(pod["containers"], "train")
+    run_volume = mounts(sidecar, volumes)[str(SOCKET_DIR)]
+    assert "emptyDir" in run_volume
+    assert mounts(trainer, volumes)[str(SOCKET_DIR)] is run_volume
+
+    cfgs = check_config_files(
+        configmap("trainer-convergenced"),
+        daemon=sidecar,
+        installer=installer,
+        volumes=volumes,
+        groups={pod["securityContext"]["fsGroup"]},
+    )
+    env = {e["name"]: e.get("value") for e in trainer["env"]}
+    for cfg in cfgs:
+        assert env["CONVERGENCED_SOCKET"] == str(cfg.socket_path)
+        # An emptyDir is world-writable, where the daemon refuses to put its socket:
+        # it goes one level down, in a directory the daemon creates 0750.
+        assert cfg.socket_path.parent.parent == SOCKET_DIR
+        # Peers are the other pods of the job, by their stable names.
+        assert {p.host for p in cfg.peers} == {
+            f"trainer-{i}.trainer" for i in range(job["spec"]["completions"])
+        } - {f"{cfg.node_id}.trainer"}
+    assert len(cfgs) == job["spec"]["completions"]
+    assert job["spec"]["completionMode"] == "Indexed"
+    service = k8s_object("Service", path)
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"]
+    assert [p["port"] for p in service["spec"]["ports"]] == [PEER_PORT]
+    assert pod["subdomain"] == service["metadata"]["name"]
+
+
+def relabel(labels: dict[str, str], rules: list[dict[str, Any]]) -> dict[str, str] | None:
+    """Prometheus' relabelling (keep, drop, replace), enough to replay a scrape job."""
+    labels = dict(labels)
+    for rule in rules:
+        value = rule.get("separator", ";").join(labels.get(s, "") for s in rule["source_labels"])
+        match = re.fullmatch(rule.get("regex", "(.*)"), value)
+        action = rule.get("action", "replace")
+        if action == "keep" and not match:
+            return None
+        if action == "drop" and match:
+            return None
+        if action == "replace" and match:
+            template = re.sub(r"\$\{?(\w+)\}?", r"\\g<\1>", rule.get("replacement", "$1"))
+            labels[rule["target_label"]] = match.expand(template)
+    return labels
+
+
+def pod_targets(pod_template: dict[str, Any], ip: str) -> list[dict[str, str]]:
+    """The targets Prometheus' pod discovery makes for a pod: one per container port,
+    and one per container without ports (all its containers, sidecars included)."""
+    spec = pod_template["spec"]
+    meta = {
+        f"__meta_kubernetes_pod_annotation_{re.sub(r'[^a-zA-Z0-9_]', '_', k)}": v
+        for k, v in pod_template["metadata"].get("annotations", {}).items()
+    }
+    meta |= {
+        "__meta_kubernetes_namespace": "ns",
+        "__meta_kubernetes_pod_name": "pod-0",
+        "__meta_kubernetes_pod_node_name": "gpu-node-01",
+    }
+    targets = []
+    for c in spec.get("initContainers", []) + spec["containers"]:
+        base = meta | {"__meta_kubernetes_pod_container_name": c["name"]}
+        for p in c.get("ports") or [None]:
+            t = base | {"__address__": ip, "__metrics_path__": "/metrics"}
+            if p is not None:
+                t["__address__"] = f"{ip}:{p['containerPort']}"
+                t["__meta_kubernetes_pod_container_port_name"] = p.get("name", "")
+            targets.append(t)
+    return targets
+
+
+def test_k8s_scrape_config_finds_every_daemon(tmp_path: Path) -> None:
+    prom = yaml_documents(K8S / "prometheus-scrape.yaml")[0]["data"]["prometheus.yml"]
+    (tmp_path / "prometheus.yml").write_text(prom, encoding="utf-8")
+    parsed = yaml_documents(tmp_path / "prometheus.yml")[0]
+    (job,) = parsed["scrape_configs"]
+    assert job["kubernetes_sd_configs"] == [{"role": "pod"}]
+
+    # Replay the relabelling on the DaemonSet's and the sidecar example's pods: exactly
+    # the daemon's metrics port survives, never the training container.
+    for template in (
+        k8s_object("DaemonSet")["spec"]["template"],
+        k8s_object("Job")["spec"]["template"],
+    ):
+        kept = [
+            t
+            for t in (relabel(t, job["relabel_configs"]) for t in pod_targets(template, "10.1.2.3"))
+            if t is not None
+        ]
+        assert len(kept) == 1, kept
+        assert kept[0]["__address__"] == f"10.1.2.3:{METRICS_PORT}"
+        assert kept[0]["__metrics_path__"] == "/metrics"
+        assert kept[0]["node"] == "gpu-node-01" and kept[0]["pod"] == "pod-0"
+
+    promtool = need_tool("promtool", "prometheus")
+    shutil.copy(ALERTS, tmp_path / "alerts.yml")
+    proc = run([promtool, "check", "config", "prometheus.yml"], cwd=tmp_path)
+    if "kubernetes_sd_configs not found" in proc.stdout + proc.stderr:
+        # Debian builds Prometheus without Kubernetes discovery: check the rest of the
+        # file with the same targets given statically.
+        parsed["scrape_configs"][0].pop("kubernetes_sd_configs")
+        parsed["scrape_configs"][0]["static_configs"] = [{"targets": ["10.1.2.3:9464"]}]
+        (tmp_path / "prometheus.yml").write_text(json.dumps(parsed), encoding="utf-8")
+        proc = run([promtool, "check", "config", "prometheus.yml"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# -- Prometheus ------------------------------------------------------------------------
+
+
+def test_promtool_checks_rules_and_config() -> None:
+    promtool = need_tool("promtool", "prometheus")
+    proc = run([promtool, "check", "rules", str(ALERTS)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run([promtool, "check", "config", str(PROMETHEUS_CONFIG)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "SUCCESS: 1 rule files found" in proc.stdout
+
+
+def test_local_prometheus_config_targets_a_three_node_cluster() -> None:
+    (job,) = yaml_documents(PROMETHEUS_CONFIG)[0]["scrape_configs"]
+    targets = [t for sc in job["static_configs"] for t in sc["targets"]]
+    # `convergenced cluster` gives node K the metrics port 9464 + K - 1.
+    assert targets == [f"127.0.0.1:{METRICS_PORT + k}" for k in range(3)]
+    assert yaml_documents(PROMETHEUS_CONFIG)[0]["rule_files"] == [ALERTS.name]
+
+
+def alert_rules() -> list[dict[str, Any]]:
+    return [r for g in yaml_documents(ALERTS)[0]["groups"] for r in g["rules"]]
+
+
+def test_alert_rules_are_complete() -> None:
+    rules = alert_rules()
+    names = [r["alert"] for r in rules]
+    assert len(names) == len(set(names))
+    # The situations the observability issue asks for.
+    assert {
+        "ConvergencedEpochSkewHigh",
+        "ConvergencedRestorePointStalled",
+        "ConvergencedPeerLinkDown",
+        "ConvergencedFramesRejected",
+        "ConvergencedRecordsRejected",
+        "ConvergencedRollback",
+        "ConvergencedRestorePointOld",
+        "ConvergencedWalFsyncSlow",
+    } <= set(names)
+    for r in rules:
+        assert r["labels"]["severity"] in {"critical", "warning"}, r["alert"]
+        assert r["annotations"].keys() >= {"summary", "description"}, r["alert"]
+
+
+def series(name: str, values: str, **labels: str) -> dict[str, str]:
+    body = ",".join(f'{k}="{v}"' for k, v in {"job": "convergenced", **labels}.items())
+    return {"series": f"{name}{{{body}}}", "values": values}
+
+
+def test_alerts_fire_when_they_should(tmp_path: Path) -> None:
+    """promtool unit tests: each alert fires on its situation, with the series' labels,
+    and stays quiet on a healthy neighbour. Annotations are dropped from the copy under
+    test (check rules already validates their templates)."""
+    promtool = need_tool("promtool", "prometheus")
+    rules = copy.deepcopy(yaml_documents(ALERTS)[0])
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            rule.pop("annotations", None)
+    (tmp_path / "rules.yml").write_text(json.dumps(rules), encoding="utf-8")
+
+    n1 = {"instance": "n1"}
+    warning = {"severity": "warning", "job": "convergenced"}
+    critical = {"severity": "critical", "job": "convergenced"}
+    bucket = "convergenced_wal_fsync_duration_seconds_bucket"
+    tests = [
+        {
+            "interval": "1m",
+            "input_series": [
+                series("up", "1 1 0x10", **n1),
+                series("up", "1x12", instance="n2"),
+                series("convergenced_epoch_skew", "20x20", stream="slow", **n1),
+                series("convergenced_epoch_skew", "2x20", stream="fine", **n1),
+                series("convergenced_peer_up", "1 1 0x10", peer="n2", **n1),
+                series("convergenced_peer_up", "1x12", peer="n3", **n1),
+                series("convergenced_rollbacks_total", "0 0 1 1", stream="s", **n1),
+                series("convergenced_rollbacks_total", "0 0 0 0", stream="t", **n1),
+                series("convergenced_frames_rejected_total", "0+2x20", reason="bad_hello", **n1),
+                series("convergenced_records_rejected_total", "0 0 3 3", reason="unsigned", **n1),
+                series(bucket, "0+100x20", le="0.05", **n1),
+                series(bucket, "0+100x20", le="0.5", **n1),
+                series(bucket, "0+200x20", le="+Inf", **n1),
+                series(bucket, "0+200x20", le="0.05", instance="n2"),
+                series(bucket, "0+200x20", le="0.5", instance="n2"),
+                series(bucket, "0+200x20", le="+Inf", instance="n2"),
+            ],
+            "alert_rule_test": [
+                {
+                    "eval_time": "6m",
+                    "alertname": "ConvergencedDown",
+                    "exp_alerts": [{"exp_labels": critical | n1}],
+                },
+                {
+                    "eval_time": "15m",
+                    "alertname": "ConvergencedEpochSkewHigh",
+                    "exp_alerts": [{"exp_labels": {"severity": "warning", "stream": "slow"}}],
+                },
+                {"eval_time": "5m", "alertname": "ConvergencedEpochSkewHigh", "exp_alerts": []},
+                {
+                    "eval_time": "5m",
+                    "alertname": "ConvergencedPeerLinkDown",
+                    "exp_alerts": [{"exp_labels": warning | n1 | {"peer": "n2"}}],
+                },
+                {"eval_time": "3m", "alertname": "ConvergencedPeerLinkDown", "exp_alerts": []},
+                {
+                    "eval_time": "3m",
+                    "alertname": "ConvergencedRollback",
+                    "exp_alerts": [{"exp_labels": warning | n1 | {"stream": "s"}}],
+                },
+                {
+                    "eval_time": "15m",
+                    "alertname": "ConvergencedFramesRejected",
+                    "exp_alerts": [{"exp_labels": warning | n1 | {"reason": "bad_hello"}}],
+                },
+                {
+                    "eval_time": "3m",
+                    "alertname": "ConvergencedRecordsRejected",
+                    "exp_alerts": [{"exp_labels": warning | n1 | {"reason": "unsigned"}}],
+                },
+                {
+                    "eval_time": "18m",
+                    "alertname": "ConvergencedWalFsyncSlow",
+                    "exp_alerts": [{"exp_labels": warning | n1}],
+                },
+            ],
+        },
+        {
+            # A node keeps accepting commits: on stream "stuck" the restore point stays
+            # while newer epochs are committed; on "moving" it advances; on "idle" it
+            # stays but nothing newer exists.
+            "interval": "1m",
+            "input_series": [
+                series(
+                    "convergenced_commits_total", "0+10x80", domain="nvme", outcome="accepted", **n1
+                ),
+                series("convergenced_restore_point_epoch", "5x80", stream="stuck", **n1),
+                series("convergenced_rpo_epochs", "0x5 3x75", stream="stuck", **n1),
+                series("convergenced_restore_point_age_seconds", "0+60x80", stream="stuck", **n1),
+                series("convergenced_restore_point_epoch", "0+1x80", stream="moving", **n1),
+                series("convergenced_rpo_epochs", "1x80", stream="moving", **n1),
+                series("convergenced_restore_point_age_seconds", "30x80", stream="moving", **n1),
+                series("convergenced_restore_point_epoch", "7x80", stream="idle", **n1),
+                series("convergenced_rpo_epochs", "0x80", stream="idle", **n1),
+                series("convergenced_restore_point_age_seconds", "0+60x80", stream="idle", **n1),
+            ],
+            "alert_rule_test": [
+                {
+                    "eval_time": "40m",
+                    "alertname": "ConvergencedRestorePointStalled",
+                    "exp_alerts": [{"exp_labels": critical | n1 | {"stream": "stuck"}}],
+                },
+                {
+                    "eval_time": "20m",
+                    "alertname": "ConvergencedRestorePointStalled",
+                    "exp_alerts": [],
+                },
+                {
+                    "eval_time": "70m",
+                    "alertname": "ConvergencedRestorePointOld",
+                    "exp_alerts": [{"exp_labels": warning | n1 | {"stream": "stuck"}}],
+                },
+            ],
+        },
+    ]
+    (tmp_path / "tests.yml").write_text(
+        json.dumps({"rule_files": ["rules.yml"], "evaluation_interval": "1m", "tests": tests}),
+        encoding="utf-8",
+    )
+    proc = run([promtool, "test", "rules", "tests.yml"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# -- Grafana ---------------------------------------------------------------------------
+
+
+def dashboard() -> dict[str, Any]:
+    loaded: dict[str, Any] = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    return loaded
+
+
+def test_dashboard_is_a_valid_grafana_dashboard() -> None:
+    dash = dashboard()
+    assert 36 <= dash["schemaVersion"] <= 41
+    assert dash["uid"] and dash["title"]
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert variables["datasource"]["query"] == "prometheus"
+    assert "stream)" in variables["stream"]["query"]["query"]
+    panels = dash["panels"]
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids))
+    cells: set[tuple[int, int]] = set()
+    for p in panels:
+        g = p["gridPos"]
+        assert g["x"] >= 0 and g["x"] + g["w"] <= 24, p["title"]
+        mine = {
+            (x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])
+        }
+        assert not mine & cells, f"panel {p['title']!r} overlaps another"
+        cells |= mine
+        if p["type"] == "row":
+            continue
+        assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+        refs = [t["refId"] for t in p["targets"]]
+        assert p["targets"] and len(refs) == len(set(refs)), p["title"]
+
+    used = " ".join(expressions(dash))
+    for wanted in (
+        "convergenced_restore_point_epoch",
+        "convergenced_epoch_skew",
+        "convergenced_domain_divergence",
+        "convergenced_restore_point_age_seconds",
+        "convergenced_rpo_epochs",
+        "convergenced_commits_total",
+        "convergenced_rollbacks_total",
+        "convergenced_retractions_total",
+        "convergenced_peer_up",
+        "histogram_quantile(0.5, sum by (instance, peer, le) "
+        "(rate(convergenced_peer_exchange_rtt_seconds_bucket",
+        "histogram_quantile(0.99, sum by (instance, peer, le) "
+        "(rate(convergenced_peer_exchange_rtt_seconds_bucket",
+        "convergenced_peer_frames_total",
+        "convergenced_peer_bytes_total",
+        "convergenced_frames_rejected_total",
+        "convergenced_records_rejected_total",
+        "histogram_quantile(0.99, sum by (instance, le) "
+        "(rate(convergenced_wal_fsync_duration_seconds_bucket",
+    ):
+        assert wanted in used, f"no panel shows {wanted}"
+
+
+def test_dashboard_queries_are_valid_promql(tmp_path: Path) -> None:
+    dash = dashboard()
+    for expr in expressions(dash):
+        for name in _METRIC_RE.findall(expr):
+            metric = metric_of(name)
+            assert metric is not None, name
+            if "stream" in METRICS[metric][1]:
+                # Followed by its selector, which filters by the $stream variable.
+                for selector in re.findall(rf"\b{name}\{{([^}}]*)\}}", expr):
+                    assert 'stream=~"$stream"' in selector, expr
+    promtool = need_tool("promtool", "prometheus")
+    # As recording rules, with Grafana's variables filled in, promtool parses every query.
+    rules = [
+        {
+            "record": f"dashboard:query_{i}",
+            "expr": expr.replace("$__rate_interval", "5m")
+            .replace("$stream", ".*")
+            .replace("$instance", ".*"),
+        }
+        for i, expr in enumerate(expressions(dash))
+    ]
+    (tmp_path / "queries.yml").write_text(
+        json.dumps({"groups": [{"name": "dashboard", "rules": rules}]}), encoding="utf-8"
+    )
+    proc = run([promtool, "check", "rules", "queries.yml"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# -- metric names ----------------------------------------------------------------------
+
+
+def test_alerts_and_dashboard_use_documented_metrics() -> None:
+    used = {
+        name
+        for source in (alert_rules(), dashboard())
+        for expr in expressions(source)
+        for name in _METRIC_RE.findall(expr)
+    }
+    assert used, "no metric found: is the extraction broken?"
+    unknown = sorted(n for n in used if metric_of(n) is None)
+    assert not unknown, f"not exported by the daemon: {unknown}"
+    for rule in alert_rules():
+        # The only other series an alert may use is Prometheus' own `up`.
+        words = set(re.findall(r"\b[a-z_][a-z0-9_]*\b(?=\s*[{\[])", rule["expr"]))
+        assert words - {n for n in words if metric_of(n)} <= {"up"}, rule["alert"]
+
+
+def test_metrics_list_is_what_the_daemon_exports() -> None:
+    """`METRICS` against the implementation: the event metrics from a fresh registry
+    (with their types), the state metrics by their names in the collector's source."""
+    from convergenced.daemon import metrics
+
+    registry = metrics.Metrics().registry
+    exported: dict[str, str] = {}
+    for family in registry.collect():
+        suffix = "_total" if family.type == "counter" else ""
+        exported[family.name + suffix] = family.type
+    source = Path(metrics.__file__).read_text(encoding="utf-8")
+    for name in set(re.findall(r'"(convergenced_[a-z0-9_]+)"', source)):
+        if name not in exported and f"{name}_total" not in exported:
+            exported[name] = "gauge"  # DaemonCollector makes gauges only
+    assert exported == {name: kind for name, (kind, _) in METRICS.items()}
