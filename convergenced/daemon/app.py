@@ -215,7 +215,13 @@ class Daemon:
             on_refused=self._count_refused,
             on_recovery=lambda stream, s: self.metrics.recovery.labels(stream=stream).set(s),
         )
-        self.api = LocalApiServer(service, cfg.limits, on_reject=self._count_reject)
+        self.api = LocalApiServer(
+            service,
+            cfg.limits,
+            on_reject=self._count_reject,
+            allowed_uids=cfg.allowed_uids,
+            allowed_gids=cfg.allowed_gids,
+        )
 
         try:
             peer_listeners = await trio.open_tcp_listeners(cfg.listen_port, host=cfg.listen_host)

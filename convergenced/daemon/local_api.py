@@ -13,13 +13,23 @@ so one stuck process can never stall the daemon or any other client.
 Shutdown (`LocalApiServer.drain`): new requests get ``unavailable``; waits and
 watches are ended with ``unavailable``; requests that change state run to their
 acknowledgement; queued replies are flushed; then the connections close.
+
+Access: the socket is created mode 0660 in a directory the daemon creates mode 0750
+(`open_unix_listener`), and every accepted connection is checked against the peer's
+kernel credentials (`convergenced.daemon.peercred`): root, the daemon's own user,
+``[local] allowed_uids`` and members of ``allowed_gids`` are served; anyone else gets
+one ``rejected``/``not_allowed`` error reply naming their uid, and is closed.
+Warnings about refused or misbehaving clients are rate-limited (a local process must
+not be able to flood the log); every refusal is still counted through ``on_reject``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
+import stat
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +38,7 @@ import trio
 
 from convergenced.core import api
 from convergenced.core.api import ApiError, ErrorKind, Request
+from convergenced.daemon import peercred
 from convergenced.daemon.config import Limits
 from convergenced.daemon.service import Service
 
@@ -37,10 +48,20 @@ WAITING_OPS = frozenset({"wait", "restore_point", "watch"})
 """Operations that only wait: ended, not awaited, at shutdown."""
 FACT_OPS = frozenset({"declare", "commit", "retract", "retire"})
 """Operations applied inline by the reader and acknowledged in batches."""
+SOCKET_MODE = 0o660
+RUNTIME_DIR_MODE = 0o750
+"""Mode of the socket's directory when the daemon creates it."""
+WARN_INTERVAL_S = 10.0
+"""At most one warning per reason this often (every refusal is counted regardless)."""
 
 
 class LocalApiServer:
-    """Accepts local clients and serves them with a `Service`."""
+    """Accepts local clients and serves them with a `Service`.
+
+    ``on_reject`` is called with the reason of every error reply (metrics);
+    ``allowed_uids`` are served besides root and the daemon's effective uid, and so
+    are members (primary or supplementary group) of ``allowed_gids``.
+    """
 
     def __init__(
         self,
@@ -48,22 +69,70 @@ class LocalApiServer:
         limits: Limits,
         *,
         on_reject: Callable[[str], None] | None = None,
+        allowed_uids: Iterable[int] = (),
+        allowed_gids: Iterable[int] = (),
     ) -> None:
         self.service = service
         self.limits = limits
         self.on_reject = on_reject
         """Called with the reason of every error reply (metrics)."""
+        self.own_uid = os.geteuid()
+        self.allowed_uids = frozenset(allowed_uids)
+        self.allowed_gids = frozenset(allowed_gids)
         self.sessions: set[ClientSession] = set()
         self.shutting_down = False
         self.disconnected_slow = 0
+        self._last_warned: dict[str, float] = {}
 
     def rejected(self, reason: str) -> None:
         """Count one error reply."""
         if self.on_reject is not None:
             self.on_reject(reason)
 
+    def may_warn(self, key: str) -> bool:
+        """True at most once per ``key`` every `WARN_INTERVAL_S` (the caller then logs)."""
+        now = time.monotonic()
+        if now - self._last_warned.get(key, -1e9) < WARN_INTERVAL_S:
+            return False
+        self._last_warned[key] = now
+        return True
+
+    def warn(self, key: str, event: str, **fields: Any) -> None:
+        """Log a warning, rate-limited per ``key`` (see `may_warn`)."""
+        if self.may_warn(key):
+            log.warning(event, **fields)
+
+    def check_peer(self, stream: trio.SocketStream) -> ApiError | None:
+        """None when the connected process may use the daemon, else the error to send."""
+        try:
+            creds, ok = peercred.check(
+                stream.socket, self.own_uid, self.allowed_uids, self.allowed_gids
+            )
+        except peercred.PeerCredentialsError as exc:
+            self.warn("no_credentials", "local client refused", error=str(exc))
+            return ApiError(
+                ErrorKind.REJECTED,
+                "not_allowed",
+                f"cannot tell who is connecting ({exc}); refusing",
+            )
+        if ok:
+            return None
+        self.warn(
+            "not_allowed",
+            "local client refused",
+            pid=creds.pid,
+            uid=creds.uid,
+            gid=creds.gid,
+            groups=sorted(creds.groups),
+        )
+        return ApiError(ErrorKind.REJECTED, "not_allowed", peercred.refusal_message(creds))
+
     async def handle(self, stream: trio.SocketStream) -> None:
         """Serve one connection until it closes."""
+        refusal = self.check_peer(stream)
+        if refusal is not None:
+            await self._refuse(stream, refusal)
+            return
         if self.shutting_down or len(self.sessions) >= self.limits.max_clients:
             if self.shutting_down:
                 err = ApiError(
@@ -76,11 +145,7 @@ class LocalApiServer:
                     f"the daemon already serves {self.limits.max_clients} clients "
                     "(limits.max_clients)",
                 )
-            self.rejected(err.reason)
-            with trio.move_on_after(1):
-                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                    await stream.send_all(api.encode_frame(api.error(None, err)))
-            await stream.aclose()
+            await self._refuse(stream, err)
             return
         session = ClientSession(self, stream)
         self.sessions.add(session)
@@ -88,6 +153,22 @@ class LocalApiServer:
             await session.run()
         finally:
             self.sessions.discard(session)
+
+    async def _refuse(self, stream: trio.SocketStream, err: ApiError) -> None:
+        """Count ``err``, send it as the only reply, and close; a second at most.
+
+        What the client sent is read and dropped until it closes: closing a Unix
+        socket that holds unread bytes makes the client's next read fail with
+        ECONNRESET, and the client would report a reset instead of the reason.
+        """
+        self.rejected(err.reason)
+        with trio.move_on_after(1):
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                await stream.send_all(api.encode_frame(api.error(None, err)))
+                await stream.send_eof()
+                while await stream.receive_some(65536):
+                    pass
+        await trio.aclose_forcefully(stream)
 
     async def drain(self, grace: float) -> None:
         """Stop serving (see the module docstring); give up after ``grace`` seconds."""
@@ -248,7 +329,8 @@ class ClientSession:
                 except ApiError as err:
                     self._fail(req.id, err)
                 except Exception as exc:  # a bug: answer it, log it, keep serving
-                    log.exception("request failed", op=req.op, request=req.id)
+                    if self.server.may_warn("internal"):
+                        log.exception("request failed", op=req.op, request=req.id)
                     text = f"{type(exc).__name__}: {exc}"
                     self._fail(req.id, ApiError(ErrorKind.INTERNAL, "internal", text))
             if scope.cancelled_caught:
@@ -298,7 +380,11 @@ class ClientSession:
             # The client stopped reading: it alone pays for it.
             self.server.disconnected_slow += 1
             self.server.rejected("client_too_slow")
-            log.warning("client too slow; disconnecting", queued=self.server.limits.client_queue)
+            self.server.warn(
+                "client_too_slow",
+                "client too slow; disconnecting",
+                queued=self.server.limits.client_queue,
+            )
             self.kill()
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             pass
@@ -321,14 +407,59 @@ class ClientSession:
         self.kill()
 
 
+def prepare_socket_dir(directory: Path) -> None:
+    """Make sure the socket's directory exists and is safe to put the socket in.
+
+    A missing directory is created mode 0750 exactly, whatever the umask (its own
+    missing parents get the default mode). An existing one is left as it is: it may
+    be ``/tmp``, a systemd ``RuntimeDirectory`` or a volume someone else manages,
+    and its mode is theirs to choose. But one that anyone may write to without the
+    sticky bit is refused: there anyone could replace the daemon's socket with their
+    own and read (and answer) every training process's requests.
+
+    Raises:
+        OSError: the path is not a directory, cannot be created, or is unsafe.
+    """
+    if not directory.exists():
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            directory.mkdir(mode=RUNTIME_DIR_MODE)
+        except FileExistsError:
+            pass  # created meanwhile by someone else: judged below like any existing one
+        else:
+            os.chmod(directory, RUNTIME_DIR_MODE)
+            return
+    st = os.stat(directory)
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(f"{directory}: not a directory (the socket's directory)")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
+        raise PermissionError(
+            f"{directory}: anyone may write to this directory (mode {mode:04o}, no sticky "
+            "bit), so anyone could replace the daemon's socket; put the socket in a "
+            "directory only the daemon's user can write (a missing one is created mode "
+            "0750), or set the sticky bit (chmod +t)"
+        )
+
+
 async def open_unix_listener(path: Path, *, backlog: int = 128) -> trio.SocketListener:
     """Bind the local socket at ``path`` (mode 0660), replacing a stale one.
+
+    The directory is prepared by `prepare_socket_dir`. Something at ``path`` that is
+    not a socket (a file, a symlink) is never removed; a socket nobody answers on is
+    the leftover of a dead daemon and is replaced.
 
     Raises:
         OSError: another daemon is listening there already, or the path is unusable.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists() or path.is_symlink():
+    prepare_socket_dir(path.parent)
+    try:
+        st: os.stat_result | None = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    if st is not None:
+        if not stat.S_ISSOCK(st.st_mode):
+            raise FileExistsError(f"{path}: exists and is not a socket; refusing to replace it")
         probe = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
         try:
             await probe.connect(str(path))
@@ -340,12 +471,12 @@ async def open_unix_listener(path: Path, *, backlog: int = 128) -> trio.SocketLi
             probe.close()
     sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
     try:
-        old = os.umask(0o117)
+        old = os.umask(0o777 & ~SOCKET_MODE)
         try:
             await sock.bind(str(path))
         finally:
             os.umask(old)
-        os.chmod(path, 0o660)
+        os.chmod(path, SOCKET_MODE)
         sock.listen(backlog)
     except BaseException:
         sock.close()
