@@ -97,30 +97,47 @@ def encode_frame(obj: Any) -> bytes:
 class FrameReader:
     """Splits a byte stream into decoded messages, with explicit limits.
 
-    Raises `ApiError` (``bad_request``) on an oversized frame or undecodable body;
-    after that the connection cannot be resynchronized and must be closed.
+    A bad frame (oversized or undecodable) ends the stream: it cannot be
+    resynchronized. The messages decoded before it in the same read are still
+    returned; the error is then in `failed`, and raised by the next `feed`.
     """
 
     def __init__(self, max_frame: int = DEFAULT_MAX_FRAME, *, max_items: int = 65536) -> None:
         self.max_frame = max_frame
         self.max_items = max_items
         self._buf = bytearray()
+        self.failed: ApiError | None = None
+        """The error that ended the stream, once one did."""
 
     def feed(self, data: bytes) -> list[Any]:
-        """Add ``data``; return every complete message it finished."""
+        """Add ``data``; return every complete message before any bad frame.
+
+        Raises:
+            ApiError: ``bad_request`` when the bad frame is the first thing left to
+                read (check `failed` after handling what an earlier call returned).
+        """
+        if self.failed is not None:
+            raise self.failed
         self._buf += data
         out: list[Any] = []
-        while len(self._buf) >= LENGTH.size:
-            (n,) = LENGTH.unpack_from(self._buf)
-            if n > self.max_frame:
-                raise bad_request(
-                    f"frame of {n} bytes above the limit of {self.max_frame}", "frame_too_large"
-                )
-            if len(self._buf) < LENGTH.size + n:
-                break
-            body = bytes(self._buf[LENGTH.size : LENGTH.size + n])
-            del self._buf[: LENGTH.size + n]
-            out.append(self._unpack(body))
+        try:
+            while len(self._buf) >= LENGTH.size:
+                (n,) = LENGTH.unpack_from(self._buf)
+                if n > self.max_frame:
+                    raise bad_request(
+                        f"frame of {n} bytes above the limit of {self.max_frame}",
+                        "frame_too_large",
+                    )
+                if len(self._buf) < LENGTH.size + n:
+                    break
+                body = bytes(self._buf[LENGTH.size : LENGTH.size + n])
+                del self._buf[: LENGTH.size + n]
+                out.append(self._unpack(body))
+        except ApiError as err:
+            self.failed = err
+            self._buf.clear()
+            if not out:
+                raise
         return out
 
     @property

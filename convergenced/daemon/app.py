@@ -134,6 +134,8 @@ class Daemon:
         self.trust: TrustList | None = None
         self._own_public_key = b""
         self._last_warned: dict[str, float] = {}
+        self._handshaking = 0
+        """Accepted peer connections still in their TLS handshake."""
         self._stop = trio.Event()
         self._stop_reason = ""
         self._dialers: dict[str, trio.CancelScope] = {}
@@ -301,8 +303,11 @@ class Daemon:
 
     async def _accept_peer(self, tcp: trio.SocketStream) -> None:
         assert self.hub is not None and self.transport is not None
-        if len(self.hub.sessions) >= self.config.limits.max_connections:
+        # Connections still in their TLS handshake count too: they are exactly what
+        # an unauthenticated flood would hold open.
+        if len(self.hub.sessions) + self._handshaking >= self.config.limits.max_connections:
             self._count("peer_connections_refused")
+            self.metrics.frames_rejected.labels(reason="too_many_connections").inc()
             await tcp.aclose()
             return
         try:
@@ -310,6 +315,7 @@ class Daemon:
             address = f"{host}:{port}"
         except OSError:
             address = "?"
+        self._handshaking += 1
         try:
             stream, authenticated = await self.transport.accept(tcp)
         except TransportError as exc:
@@ -319,6 +325,8 @@ class Daemon:
                 exc.reason, "peer connection refused", address=address, error=str(exc)
             )
             return
+        finally:
+            self._handshaking -= 1
         session = PeerSession(
             self.hub,
             stream,

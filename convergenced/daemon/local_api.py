@@ -251,6 +251,10 @@ class ClientSession:
             for obj in objs:
                 await self._dispatch(obj)
             self._flush_acks()
+            if reader.failed is not None:
+                # Requests before the bad frame were served; the stream ends here.
+                self._fail(None, reader.failed)
+                return
 
     def _flush_acks(self) -> None:
         # One task and one fsync wait for every fact of the read (group commit within

@@ -23,7 +23,7 @@ import trio
 if TYPE_CHECKING:
     from convergenced.daemon.metrics import Metrics
 
-from convergenced.core.errors import ProtocolError
+from convergenced.core.errors import ProtocolError, RemoteProtocolError
 from convergenced.core.link import (
     Closed,
     ExchangeDone,
@@ -168,7 +168,11 @@ class PeerSession:
     async def _handshake_deadline(self, seconds: float) -> None:
         await trio.sleep(seconds)
         if self.link.peer is None and not self.link.closed:
-            self.link.close(f"no HELLO within {seconds:g} s")
+            err = RemoteProtocolError(f"no HELLO within {seconds:g} s", reason="handshake_timeout")
+            self.error = err
+            if self.hub.on_reject is not None:
+                self.hub.on_reject(err, self)
+            self.link.close(str(err))
             await self._flush()
 
     async def _ticker(self) -> None:
