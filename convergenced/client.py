@@ -104,6 +104,7 @@ class Client:
     def _read_loop(self) -> None:
         reader = api.FrameReader(MAX_REPLY_BYTES)
         why = "the daemon closed the connection"
+        told = False  # the daemon said why it closed: keep that over what follows
         try:
             while True:
                 data = self._sock.recv(65536)
@@ -118,10 +119,13 @@ class Client:
                     if box is not None:
                         box.put(reply)
                     elif rid is None and "error" in reply:
-                        # An error for no request (too many clients, shutting down).
+                        # An error for no request (not allowed, too many clients,
+                        # shutting down).
                         why = str(api.error_from_wire(reply["error"]))
+                        told = True
         except (OSError, ApiError) as exc:
-            why = f"connection lost: {exc}"
+            if not told:
+                why = f"connection lost: {exc}"
         with self._lock:
             self._lost = why
             boxes = list(self._pending.values())
