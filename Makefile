@@ -1,4 +1,4 @@
-# Two commands matter: `make demo` (arrives with the demo issue) and `make test`.
+# Two commands matter: `make demo` (the one-command demo) and `make test`.
 # Both build .venv on first use; the stamp makes later runs a no-op unless
 # pyproject.toml changed.
 
@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint typecheck pytest bench-core bench-daemon clean
+.PHONY: install demo test lint typecheck pytest bench-core bench-daemon clean
 
 install: $(STAMP)
 
@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/convergenced demo
 
 lint: $(STAMP)
 	$(BIN)/ruff check convergenced tests benchmarks proto

@@ -154,6 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
     ca_issue.add_argument("--days", type=int, default=825, help="validity (default 825)")
     ca_issue.add_argument("--force", action="store_true", help="replace existing files")
 
+    from convergenced import demo as demo_mod
+
+    demo = sub.add_parser("demo", help=demo_mod.HELP, description=demo_mod.DESCRIPTION)
+    demo_mod.add_arguments(demo)
+
     sim = sub.add_parser(
         "sim",
         help="run the deterministic cluster simulator with faults and the S1-S5 oracle",
@@ -311,6 +316,10 @@ def main(argv: list[str] | None = None) -> int:
         return _keygen(args)
     if args.command == "ca":
         return _ca(args)
+    if args.command == "demo":
+        from convergenced import demo as demo_run
+
+        return demo_run.run_demo(args)
     if args.command == "sim":
         from convergenced.sim import runner
 

@@ -1,0 +1,11 @@
+"""What a training job calls: checkpointing that commits to the local daemon for you.
+
+- `convergenced.integrations.files`: framework-free, epoch-aware checkpoints of bytes
+  on two tiers (a fast local domain and a slower remote one filled by a background
+  uploader), restore from the agreed restore point, and garbage collection of exactly
+  what the daemon says is safe.
+
+Integrations never import a training framework unless it is used.
+"""
+
+from __future__ import annotations

@@ -1,0 +1,833 @@
+"""Framework-free, epoch-aware checkpoints of bytes, committed to the local daemon.
+
+A `CheckpointStore` saves one rank's shard of each checkpoint epoch to a fast
+**local** tier (say NVMe) and, through a background uploader, to a slower **remote**
+tier (a directory standing in for an object store). Each tier is a persistence domain
+of the stream; every write that is durable is committed to the daemon for its domain,
+so the daemon knows, per domain, what this rank can restore::
+
+    from convergenced.client import Client
+    from convergenced.integrations.files import CheckpointStore, Tier
+
+    client = Client()
+    client.declare(SPEC)
+    store = CheckpointStore(
+        client, "job", rank, Tier("nvme", "/nvme/ckpt"), Tier("s3", "/mnt/bucket/ckpt")
+    )
+    try:
+        epoch, payload = store.restore(generation)  # the agreed restore point
+        start = load(payload)
+    except NoRestorePointError:
+        start = fresh()
+    for step in range(start, steps):
+        train_one_step()
+        if step % every == 0:
+            store.save(step, state_bytes())  # local write + fsync + local commit ack
+            store.gc()  # delete exactly what the daemon says is safe
+    store.close()  # waits for the uploads
+
+**On disk.** Shard of rank R of epoch E: ``<tier>/<stream>/epoch-<E>/rank-<R>.shard``.
+The file is one header line, ``CVGSHARD1 <json>\\n``, then the payload. The JSON
+header holds the stream, rank, epoch, the payload's SHA-256 and size, and, for a
+payload saved as a mapping of named parts, the parts' names and sizes. Every write
+goes to a temporary file in the same directory, is fsynced, renamed to its final
+name, and the directory is fsynced, so a crash leaves either the old state or the
+complete new file, never a torn shard under the final name.
+
+**Guarantees.** `CheckpointStore.restore` returns the agreed restore point of a
+recovery generation or raises: it never returns another epoch. A shard whose header
+or digest does not match is reported to the daemon with ``retract`` and the other
+tier is tried. `load_consistent` refuses to assemble shards of different epochs
+(`MixedEpochError`). `CheckpointStore.gc` deletes only epochs the daemon lists in
+``safe_to_delete``, and retires each one before deleting it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import queue
+import re
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, NamedTuple, Protocol, TypeAlias
+
+from convergenced.core.api import ApiError, ErrorKind
+from convergenced.core.errors import ConvergencedError
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointStore",
+    "CorruptShardError",
+    "DaemonClient",
+    "Deleted",
+    "MixedEpochError",
+    "NoRestorePointError",
+    "Payload",
+    "RestorePointLostError",
+    "Restored",
+    "Shard",
+    "ShardUnavailableError",
+    "Tier",
+    "UploadError",
+    "decode_shard",
+    "encode_shard",
+    "load_consistent",
+    "read_shard",
+    "shard_path",
+    "write_atomic",
+]
+
+MAGIC = b"CVGSHARD1 "
+"""The first bytes of every shard file (format version 1)."""
+
+MAX_HEADER_BYTES = 64 * 1024
+"""A header line longer than this is corrupt (it holds a few names and numbers)."""
+
+DIGEST_PREFIX = "sha256:"
+
+Payload: TypeAlias = bytes | dict[str, bytes]
+"""What a rank saves: raw bytes, or named parts (model, optimizer, ...) as bytes."""
+
+_EPOCH_DIR = re.compile(r"^epoch-(0|[1-9][0-9]*)$")
+
+
+# -- errors ---------------------------------------------------------------------------
+
+
+class CheckpointError(ConvergencedError):
+    """Base class of the errors of the files integration."""
+
+
+class CorruptShardError(CheckpointError):
+    """A shard file is unreadable, torn, or its header or digest does not match."""
+
+    def __init__(self, path: Path | None, why: str) -> None:
+        where = str(path) if path is not None else "shard"
+        super().__init__(f"{where}: corrupt shard: {why}")
+        self.path = path
+        self.why = why
+
+
+class ShardUnavailableError(CheckpointError):
+    """No tier holds a valid shard of the requested epoch for this rank.
+
+    Every missing or corrupt copy was retracted; the job should ask for the restore
+    point of a newer recovery generation (which will be an older, intact epoch).
+    """
+
+    def __init__(self, stream: str, rank: int, epoch: int, reasons: Sequence[str]) -> None:
+        detail = "; ".join(reasons) if reasons else "no tier configured"
+        super().__init__(
+            f"stream {stream!r} rank {rank}: no valid shard of epoch {epoch} in any tier "
+            f"({detail}); ask for the restore point of a newer generation"
+        )
+        self.stream = stream
+        self.rank = rank
+        self.epoch = epoch
+        self.reasons = tuple(reasons)
+
+
+class MixedEpochError(CheckpointError):
+    """Shards of different epochs (or streams) were about to be assembled into one state."""
+
+    def __init__(self, message: str, epochs: Mapping[int, int]) -> None:
+        super().__init__(message)
+        self.epochs = dict(epochs)
+        """rank -> epoch of the shards that were offered."""
+
+
+class NoRestorePointError(CheckpointError):
+    """The daemon says the generation has no epoch every member can restore: start fresh."""
+
+    def __init__(self, stream: str, generation: int) -> None:
+        super().__init__(
+            f"stream {stream!r}: recovery generation {generation} has no restore point "
+            "(no epoch is recoverable on every member at or above the rollback floor); "
+            "start from scratch"
+        )
+        self.stream = stream
+        self.generation = generation
+
+
+class RestorePointLostError(CheckpointError):
+    """The generation's restore point was retracted since it was chosen."""
+
+    def __init__(self, stream: str, generation: int, epoch: int) -> None:
+        super().__init__(
+            f"stream {stream!r}: restore point {epoch} of generation {generation} was lost "
+            "(retracted since); ask for the restore point of a newer generation"
+        )
+        self.stream = stream
+        self.generation = generation
+        self.epoch = epoch
+
+
+class UploadError(CheckpointError):
+    """One or more background uploads failed (raised by `CheckpointStore.flush`)."""
+
+    def __init__(self, failures: Sequence[tuple[int, BaseException]]) -> None:
+        parts = ", ".join(f"epoch {e}: {exc}" for e, exc in failures)
+        super().__init__(f"{len(failures)} upload(s) failed: {parts}")
+        self.failures = tuple(failures)
+
+
+# -- data -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, init=False)
+class Tier:
+    """One persistence domain and the directory that holds its shards."""
+
+    domain: str
+    """The domain name committed to the daemon (``nvme``, ``s3``...)."""
+    directory: Path
+    """The root directory; shards live under ``<directory>/<stream>/``."""
+
+    def __init__(self, domain: str, directory: str | os.PathLike[str]) -> None:
+        """A tier ``domain`` stored under ``directory``."""
+        object.__setattr__(self, "domain", domain)
+        object.__setattr__(self, "directory", Path(directory))
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One verified shard: its metadata, its payload and where it was read."""
+
+    stream: str
+    rank: int
+    epoch: int
+    digest: str
+    """``sha256:<hex>`` of the payload bytes (the digest committed to the daemon)."""
+    size: int
+    """Payload size in bytes (the size committed to the daemon)."""
+    payload: Payload
+    path: Path | None = None
+    domain: str | None = None
+
+
+class Restored(NamedTuple):
+    """What `CheckpointStore.restore` returns: the agreed epoch and this rank's payload."""
+
+    epoch: int
+    payload: Payload
+
+
+@dataclass(frozen=True)
+class Deleted:
+    """One shard `CheckpointStore.gc` retired and deleted."""
+
+    domain: str
+    epoch: int
+    path: Path
+
+
+class DaemonClient(Protocol):
+    """What the store needs of a client (`convergenced.client.Client` has it)."""
+
+    def commit(
+        self, stream: str, rank: int, domain: str, epoch: int, *, digest: str = "", size: int = 0
+    ) -> dict[str, Any]: ...
+
+    def retract(self, stream: str, rank: int, domain: str, epoch: int) -> dict[str, Any]: ...
+
+    def retire(self, stream: str, rank: int, domain: str, epoch: int) -> dict[str, Any]: ...
+
+    def state(self, stream: str) -> dict[str, Any]: ...
+
+    def restore_point(
+        self, stream: str, generation: int, timeout: float | None = None
+    ) -> dict[str, Any]: ...
+
+
+# -- encoding -------------------------------------------------------------------------
+
+
+def _body(payload: Payload) -> tuple[bytes, list[list[Any]] | None]:
+    if isinstance(payload, bytes | bytearray | memoryview):
+        return bytes(payload), None
+    if not isinstance(payload, Mapping):
+        raise TypeError(f"payload: expected bytes or a mapping of str to bytes, not {payload!r}")
+    parts: list[list[Any]] = []
+    chunks: list[bytes] = []
+    for name, value in payload.items():
+        if not isinstance(name, str):
+            raise TypeError(f"payload part name {name!r}: expected str")
+        if not isinstance(value, bytes | bytearray | memoryview):
+            raise TypeError(f"payload part {name!r}: expected bytes, not {type(value).__name__}")
+        data = bytes(value)
+        parts.append([name, len(data)])
+        chunks.append(data)
+    return b"".join(chunks), parts
+
+
+def encode_shard(stream: str, rank: int, epoch: int, payload: Payload) -> tuple[bytes, str, int]:
+    """The bytes of a shard file, the payload's digest (``sha256:<hex>``) and its size."""
+    body, parts = _body(payload)
+    digest = DIGEST_PREFIX + hashlib.sha256(body).hexdigest()
+    header = {
+        "format": 1,
+        "stream": stream,
+        "rank": rank,
+        "epoch": epoch,
+        "digest": digest,
+        "size": len(body),
+        "parts": parts,
+    }
+    line = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    return MAGIC + line + b"\n" + body, digest, len(body)
+
+
+def decode_shard(
+    data: bytes,
+    *,
+    path: Path | None = None,
+    domain: str | None = None,
+    stream: str | None = None,
+    rank: int | None = None,
+    epoch: int | None = None,
+) -> Shard:
+    """Parse and verify a shard file's bytes.
+
+    ``stream``, ``rank`` and ``epoch``, when given, must match the header.
+
+    Raises:
+        CorruptShardError: bad magic or header, a digest or size mismatch, or a header
+            that names another stream, rank or epoch than expected.
+    """
+    if not data.startswith(MAGIC):
+        raise CorruptShardError(path, "no shard header (bad magic)")
+    end = data.find(b"\n", 0, len(MAGIC) + MAX_HEADER_BYTES)
+    if end < 0:
+        raise CorruptShardError(path, "header line not terminated")
+    try:
+        header = json.loads(data[len(MAGIC) : end])
+    except ValueError as exc:
+        raise CorruptShardError(path, f"header is not JSON: {exc}") from None
+    if not isinstance(header, dict) or header.get("format") != 1:
+        raise CorruptShardError(path, "header is not a format-1 shard header")
+    h_stream, h_rank, h_epoch = header.get("stream"), header.get("rank"), header.get("epoch")
+    h_digest, h_size, h_parts = header.get("digest"), header.get("size"), header.get("parts")
+    if not (
+        isinstance(h_stream, str)
+        and type(h_rank) is int
+        and type(h_epoch) is int
+        and isinstance(h_digest, str)
+        and type(h_size) is int
+    ):
+        raise CorruptShardError(path, "header fields missing or of the wrong type")
+    for name, want, got in (("stream", stream, h_stream), ("rank", rank, h_rank)):
+        if want is not None and got != want:
+            raise CorruptShardError(path, f"header {name} is {got!r}, expected {want!r}")
+    if epoch is not None and h_epoch != epoch:
+        raise CorruptShardError(path, f"header epoch is {h_epoch}, expected {epoch}")
+    body = data[end + 1 :]
+    if len(body) != h_size:
+        raise CorruptShardError(path, f"payload is {len(body)} bytes, header says {h_size}")
+    digest = DIGEST_PREFIX + hashlib.sha256(body).hexdigest()
+    if digest != h_digest:
+        raise CorruptShardError(path, f"payload digest {digest} does not match {h_digest}")
+    payload: Payload
+    if h_parts is None:
+        payload = body
+    else:
+        if not isinstance(h_parts, list):
+            raise CorruptShardError(path, "header parts is not a list")
+        payload = {}
+        offset = 0
+        for item in h_parts:
+            if not (
+                isinstance(item, list)
+                and len(item) == 2
+                and isinstance(item[0], str)
+                and type(item[1]) is int
+                and item[1] >= 0
+            ):
+                raise CorruptShardError(path, f"header part {item!r} is malformed")
+            payload[item[0]] = body[offset : offset + item[1]]
+            offset += item[1]
+        if offset != len(body):
+            raise CorruptShardError(path, "header parts do not add up to the payload size")
+    return Shard(h_stream, h_rank, h_epoch, h_digest, h_size, payload, path, domain)
+
+
+def read_shard(
+    path: Path,
+    *,
+    domain: str | None = None,
+    stream: str | None = None,
+    rank: int | None = None,
+    epoch: int | None = None,
+) -> Shard:
+    """Read and verify the shard file at ``path`` (see `decode_shard`).
+
+    Raises:
+        FileNotFoundError: there is no such file.
+        CorruptShardError: it cannot be read or does not verify.
+    """
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise CorruptShardError(path, f"cannot read: {exc}") from None
+    return decode_shard(data, path=path, domain=domain, stream=stream, rank=rank, epoch=epoch)
+
+
+def _stream_dir(stream: str) -> str:
+    # Stream names may contain "/" but never "%": keep each stream in one directory.
+    return stream.replace("/", "%2F")
+
+
+def shard_path(directory: Path, stream: str, epoch: int, rank: int) -> Path:
+    """Where rank ``rank``'s shard of ``epoch`` lives under a tier's ``directory``."""
+    return directory / _stream_dir(stream) / f"epoch-{epoch}" / f"rank-{rank}.shard"
+
+
+# -- durable files --------------------------------------------------------------------
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _makedirs_durable(directory: Path) -> None:
+    missing: list[Path] = []
+    d = directory
+    while not d.is_dir():
+        missing.append(d)
+        if d.parent == d:
+            break
+        d = d.parent
+    for d in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            d.mkdir()
+        _fsync_dir(d.parent)  # the new entry itself must survive a crash
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a crash leaves the old state or all of it.
+
+    Temporary file in the same directory, fsync, rename over ``path``, fsync of the
+    directory (and of every parent directory this call created).
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    for attempt in range(3):
+        _makedirs_durable(path.parent)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            break
+        except FileNotFoundError:
+            # Another rank's gc removed the (then empty) epoch directory meanwhile.
+            if attempt == 2:
+                raise
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    _fsync_dir(path.parent)
+
+
+def load_consistent(shards: Iterable[Shard], *, epoch: int | None = None) -> dict[int, Payload]:
+    """Assemble shards of several ranks into ``{rank: payload}``, all of one epoch.
+
+    Raises:
+        MixedEpochError: the shards do not all belong to the same stream and epoch (or
+            not to ``epoch`` when given), or a rank appears twice.
+    """
+    shards = list(shards)
+    epochs = {s.rank: s.epoch for s in shards}
+    streams = {s.stream for s in shards}
+    if len(streams) > 1:
+        raise MixedEpochError(
+            f"refusing to assemble shards of different streams: {sorted(streams)}", epochs
+        )
+    if len(epochs) != len(shards):
+        ranks = [s.rank for s in shards]
+        dup = sorted({r for r in ranks if ranks.count(r) > 1})
+        raise MixedEpochError(f"refusing to assemble: rank(s) {dup} offered twice", epochs)
+    found = set(epochs.values())
+    if len(found) > 1 or (epoch is not None and found and found != {epoch}):
+        listing = ", ".join(f"rank {r} at epoch {e}" for r, e in sorted(epochs.items()))
+        want = f" (expected epoch {epoch})" if epoch is not None else ""
+        raise MixedEpochError(
+            f"refusing to assemble a state from mixed epochs: {listing}{want}", epochs
+        )
+    return {s.rank: s.payload for s in shards}
+
+
+def _in_intervals(epoch: int, intervals: Iterable[Sequence[int]]) -> bool:
+    return any(lo <= epoch <= hi for lo, hi in intervals)
+
+
+# -- the store --------------------------------------------------------------------------
+
+
+class CheckpointStore:
+    """One rank's checkpoints of one stream on a local tier and an optional remote tier.
+
+    `save` blocks only for the local write, its fsyncs and the local commit's
+    acknowledgement; a background thread uploads each saved shard to the remote tier
+    after ``upload_delay`` seconds and commits the remote domain. The store is
+    thread-safe; use it as a context manager or call `close`.
+    """
+
+    def __init__(
+        self,
+        client: DaemonClient,
+        stream: str,
+        rank: int,
+        local: Tier,
+        remote: Tier | None = None,
+        *,
+        upload_delay: float | Callable[[int], float] = 0.0,
+    ) -> None:
+        """A store for ``rank`` of ``stream``.
+
+        Args:
+            client: a client of this node's daemon (`convergenced.client.Client`).
+            stream: the stream, declared on the daemon beforehand.
+            rank: the rank this store saves for (hosted by this node).
+            local: the fast tier, written synchronously by `save`.
+            remote: the slow tier, written by the background uploader (None: no uploads).
+            upload_delay: seconds each upload takes on top of the copy (a number, or a
+                function of the epoch), to model an object store's lag.
+        """
+        if local.domain == (remote.domain if remote is not None else None):
+            raise ValueError(f"local and remote tiers share the domain {local.domain!r}")
+        self.client = client
+        self.stream = stream
+        self.rank = rank
+        self.local = local
+        self.remote = remote
+        self._delay = upload_delay
+        self._lock = threading.Lock()  # serializes an upload's copy + commit with gc
+        self._cond = threading.Condition()
+        self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._pending = 0
+        self._failures: list[tuple[int, BaseException]] = []
+        self._collected: set[tuple[str, int]] = set()
+        self._stop = threading.Event()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.uploaded: list[int] = []
+        """Epochs uploaded and committed to the remote tier, in order (for progress)."""
+
+    # -- paths ----------------------------------------------------------------------
+
+    @property
+    def tiers(self) -> tuple[Tier, ...]:
+        """The tiers in the order restore tries them: local, then remote."""
+        return (self.local,) if self.remote is None else (self.local, self.remote)
+
+    def path(self, tier: Tier, epoch: int, rank: int | None = None) -> Path:
+        """The shard file of ``epoch`` for ``rank`` (default: this store's) in ``tier``."""
+        return shard_path(tier.directory, self.stream, epoch, self.rank if rank is None else rank)
+
+    def epochs(self, tier: Tier) -> list[int]:
+        """The epochs for which this rank has a shard file in ``tier``, ascending."""
+        root = tier.directory / _stream_dir(self.stream)
+        found: list[int] = []
+        try:
+            with os.scandir(root) as it:
+                entries = list(it)
+        except FileNotFoundError:
+            return found
+        for entry in entries:
+            m = _EPOCH_DIR.match(entry.name)
+            if m and os.path.isfile(os.path.join(entry.path, f"rank-{self.rank}.shard")):
+                found.append(int(m.group(1)))
+        return sorted(found)
+
+    # -- saving -----------------------------------------------------------------------
+
+    def save(self, epoch: int, payload: Payload) -> Shard:
+        """Save this rank's shard of ``epoch`` durably to the local tier and commit it.
+
+        Returns once the shard is fsynced under its final name and the daemon has
+        acknowledged the commit (durable in its log). The upload to the remote tier,
+        if any, happens in the background.
+
+        Raises:
+            ApiError: the daemon refused the commit (unknown stream, retired epoch...).
+            DaemonUnreachable: the daemon cannot be reached.
+            OSError: the local write failed (nothing was committed).
+        """
+        if self._closed:
+            raise CheckpointError("the store is closed")
+        if type(epoch) is not int or epoch < 0:
+            raise ValueError(f"epoch {epoch!r}: expected a non-negative integer")
+        data, digest, size = encode_shard(self.stream, self.rank, epoch, payload)
+        path = self.path(self.local, epoch)
+        write_atomic(path, data)
+        self.client.commit(
+            self.stream, self.rank, self.local.domain, epoch, digest=digest, size=size
+        )
+        with self._lock:
+            self._collected.discard((self.local.domain, epoch))
+        if self.remote is not None:
+            self._enqueue(epoch)
+        return Shard(self.stream, self.rank, epoch, digest, size, payload, path, self.local.domain)
+
+    def _enqueue(self, epoch: int) -> None:
+        with self._cond:
+            self._pending += 1
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._upload_loop,
+                name=f"convergenced-upload-{self.stream}-{self.rank}",
+                daemon=True,
+            )
+            self._thread.start()
+        self._queue.put(epoch)
+
+    def _upload_loop(self) -> None:
+        while True:
+            epoch = self._queue.get()
+            if epoch is None:
+                return
+            try:
+                if not self._stop.is_set():
+                    delay = self._delay(epoch) if callable(self._delay) else self._delay
+                    if delay <= 0 or not self._stop.wait(delay):
+                        self._upload(epoch)
+            except Exception as exc:
+                with self._cond:
+                    self._failures.append((epoch, exc))
+            finally:
+                with self._cond:
+                    self._pending -= 1
+                    self._cond.notify_all()
+
+    def _upload(self, epoch: int) -> None:
+        remote = self.remote
+        assert remote is not None
+        with self._lock:
+            if self._stop.is_set() or (remote.domain, epoch) in self._collected:
+                return
+            src = self.path(self.local, epoch)
+            try:
+                data = src.read_bytes()
+            except FileNotFoundError:
+                if (self.local.domain, epoch) in self._collected:
+                    return  # collected before its upload: nothing needs it any more
+                raise
+            shard = decode_shard(data, path=src, stream=self.stream, rank=self.rank, epoch=epoch)
+            dst = self.path(remote, epoch)
+            write_atomic(dst, data)
+            try:
+                self.client.commit(
+                    self.stream,
+                    self.rank,
+                    remote.domain,
+                    epoch,
+                    digest=shard.digest,
+                    size=shard.size,
+                )
+            except ApiError as exc:
+                if exc.reason != "retired":
+                    raise
+                with contextlib.suppress(OSError):
+                    dst.unlink()  # retired in the remote tier meanwhile: not wanted there
+                return
+            self.uploaded.append(epoch)
+
+    @property
+    def pending_uploads(self) -> int:
+        """Uploads saved but not yet finished."""
+        with self._cond:
+            return self._pending
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every upload queued so far has finished.
+
+        Raises:
+            TimeoutError: uploads are still pending after ``timeout`` seconds.
+            UploadError: uploads failed since the last `flush` (each failure is
+                reported once).
+        """
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._pending == 0, timeout):
+                raise TimeoutError(f"{self._pending} upload(s) still pending after {timeout} s")
+            failures, self._failures = self._failures, []
+        if failures:
+            raise UploadError(failures)
+
+    def close(self, *, flush: bool = True, timeout: float | None = None) -> None:
+        """Stop the uploader; with ``flush`` (the default), after the pending uploads.
+
+        ``flush=False`` drops pending uploads at once, as a crash would.
+
+        Raises:
+            UploadError, TimeoutError: as `flush`, when ``flush`` is true (the uploader
+                is stopped either way).
+        """
+        if self._closed:
+            return
+        try:
+            if flush:
+                self.flush(timeout)
+        finally:
+            self._closed = True
+            self._stop.set()
+            if self._thread is not None:
+                self._queue.put(None)
+                self._thread.join()
+
+    def __enter__(self) -> CheckpointStore:
+        return self
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close(flush=t is None)
+
+    # -- restoring ----------------------------------------------------------------------
+
+    def agreed_epoch(self, generation: int, timeout: float | None = None) -> int:
+        """The restore point of recovery ``generation``, as the daemon answers it.
+
+        Every member must ask (any rank of it): the answer comes once every member
+        froze its recoverable set for the generation.
+
+        Raises:
+            NoRestorePointError: the generation has no restore point.
+            RestorePointLostError: its restore point was retracted since.
+            ApiError: kind ``timeout`` when not every member asked within ``timeout``;
+                reason ``generation_closed`` when a newer generation is resolved.
+        """
+        answer = self.client.restore_point(self.stream, generation, timeout)
+        if not answer.get("resolved", False):  # the daemon answers resolved or raises
+            raise ApiError(
+                ErrorKind.TIMEOUT,
+                "timeout",
+                f"generation {generation} unresolved, waiting for {answer.get('waiting_for')}",
+            )
+        epoch = answer.get("restore_point")
+        if epoch is None:
+            raise NoRestorePointError(self.stream, generation)
+        if answer.get("lost"):
+            raise RestorePointLostError(self.stream, generation, int(epoch))
+        return int(epoch)
+
+    def read(self, epoch: int, rank: int | None = None, *, retract: bool = True) -> Shard:
+        """Read and verify the shard of ``epoch`` for ``rank`` (default: this store's).
+
+        Tries the local tier, then the remote one. A copy that is missing or does not
+        verify (header epoch, stream or rank, digest, size) is skipped and, with
+        ``retract``, reported to the daemon as no longer readable in its domain.
+
+        Raises:
+            ShardUnavailableError: no tier holds a valid copy.
+        """
+        rank = self.rank if rank is None else rank
+        reasons: list[str] = []
+        for tier in self.tiers:
+            path = self.path(tier, epoch, rank)
+            try:
+                return read_shard(
+                    path, domain=tier.domain, stream=self.stream, rank=rank, epoch=epoch
+                )
+            except FileNotFoundError:
+                reasons.append(f"{tier.domain}: missing")
+            except CorruptShardError as exc:
+                reasons.append(f"{tier.domain}: {exc.why}")
+            if retract:
+                self._retract(rank, tier.domain, epoch)
+        raise ShardUnavailableError(self.stream, rank, epoch, reasons)
+
+    def _retract(self, rank: int, domain: str, epoch: int) -> None:
+        try:
+            self.client.retract(self.stream, rank, domain, epoch)
+        except ApiError as exc:
+            if exc.kind is not ErrorKind.REJECTED:  # e.g. a rank another node hosts
+                raise
+
+    def restore(self, generation: int, timeout: float | None = None) -> Restored:
+        """This rank's payload at the agreed restore point of recovery ``generation``.
+
+        Returns exactly the agreed epoch or raises: a newer shard on disk, or an older
+        intact one, is never returned instead.
+
+        Raises:
+            NoRestorePointError: no epoch is restorable on every member (start fresh).
+            RestorePointLostError: the agreed epoch was retracted since.
+            ShardUnavailableError: neither tier holds a valid shard of it (the broken
+                copies were retracted; ask again with a newer generation).
+            ApiError: see `agreed_epoch`.
+        """
+        epoch = self.agreed_epoch(generation, timeout)
+        shard = self.read(epoch)
+        if shard.epoch != epoch:  # read() verified it; keep the promise explicit
+            raise CorruptShardError(shard.path, f"epoch {shard.epoch} is not {epoch}")
+        return Restored(epoch, shard.payload)
+
+    def restore_all(
+        self, generation: int, ranks: Iterable[int], timeout: float | None = None
+    ) -> tuple[int, dict[int, Payload]]:
+        """The payloads of several ranks at the agreed restore point (tiers shared).
+
+        Raises:
+            MixedEpochError: the shards read are not all of the agreed epoch.
+            and everything `restore` raises.
+        """
+        epoch = self.agreed_epoch(generation, timeout)
+        shards = [self.read(epoch, rank) for rank in ranks]
+        return epoch, load_consistent(shards, epoch=epoch)
+
+    # -- garbage collection ---------------------------------------------------------------
+
+    def gc(self) -> list[Deleted]:
+        """Delete this rank's shards of the epochs the daemon says are safe to delete.
+
+        For each tier and each epoch on disk in the state's ``safe_to_delete``, retire
+        the (rank, domain, epoch) first, then delete the file: an epoch the daemon
+        refuses to retire (it became protected meanwhile) is kept.
+
+        Returns:
+            What was deleted.
+        """
+        safe = self.client.state(self.stream).get("safe_to_delete") or []
+        deleted: list[Deleted] = []
+        if not safe:
+            return deleted
+        for tier in self.tiers:
+            for epoch in self.epochs(tier):
+                if not _in_intervals(epoch, safe):
+                    continue
+                path = self.path(tier, epoch)
+                with self._lock:
+                    try:
+                        self.client.retire(self.stream, self.rank, tier.domain, epoch)
+                    except ApiError as exc:
+                        if exc.reason == "not_safe_to_delete":
+                            continue
+                        raise
+                    self._collected.add((tier.domain, epoch))
+                    with contextlib.suppress(FileNotFoundError):
+                        path.unlink()
+                    with contextlib.suppress(OSError):
+                        path.parent.rmdir()  # the epoch directory, once every rank left it
+                    with contextlib.suppress(OSError):
+                        _fsync_dir(path.parent.parent)
+                deleted.append(Deleted(tier.domain, epoch, path))
+        return deleted
