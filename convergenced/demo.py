@@ -35,7 +35,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -50,7 +49,7 @@ from typing import Any, TextIO
 from convergenced.client import Client, DaemonUnreachable
 from convergenced.core.api import ApiError
 from convergenced.core.errors import ConvergencedError
-from convergenced.daemon.cluster import node_name, write_cluster
+from convergenced.daemon.cluster import free_base_port, node_name, write_cluster
 from convergenced.integrations.files import (
     CheckpointError,
     CheckpointStore,
@@ -270,25 +269,6 @@ def options_from(args: argparse.Namespace) -> Options:
 # -- the cluster -------------------------------------------------------------------------
 
 
-def _ports_free(base: int, n: int) -> bool:
-    for port in range(base, base + n):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                return False
-    return True
-
-
-def _free_base_port(n: int) -> int:
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 60000 - n)
-        if _ports_free(base, n):
-            return base
-    raise RuntimeError("no free range of local ports found")
-
-
 class DemoCluster:
     """``n`` real daemon processes on loopback, in a short directory under /tmp."""
 
@@ -302,7 +282,7 @@ class DemoCluster:
         self._configure()
 
     def _configure(self) -> None:
-        base = _free_base_port(2 * self.n)
+        base = free_base_port(2 * self.n)
         self.configs = write_cluster(
             self.dir, self.n, base, tick_ms=self.tick_ms, metrics_base_port=base + self.n
         )

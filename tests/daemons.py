@@ -9,10 +9,8 @@ which pytest's tmp_path can exceed).
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,29 +20,9 @@ from types import TracebackType
 from typing import Any
 
 from convergenced.client import Client, DaemonUnreachable
-from convergenced.daemon.cluster import node_name, write_cluster
+from convergenced.daemon.cluster import free_base_port, node_name, write_cluster
 
 STREAM_SPEC_POLICY = {"mode": "all", "domains": ["nvme"]}
-
-
-def _ports_free(base: int, n: int) -> bool:
-    for port in range(base, base + n):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                return False
-    return True
-
-
-def free_base_port(n: int) -> int:
-    """A base port with ``n`` free consecutive ports after it."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 60000 - n)
-        if _ports_free(base, n):
-            return base
-    raise RuntimeError("no free port range found")
 
 
 class LocalCluster:

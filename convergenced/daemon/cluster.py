@@ -9,6 +9,8 @@ in every config, the trust list of all nodes' public keys.
 
 from __future__ import annotations
 
+import random
+import socket
 from pathlib import Path
 
 from convergenced.daemon import config as config_mod
@@ -16,6 +18,26 @@ from convergenced.security import pki
 
 MAX_UNIX_PATH = 107
 """sun_path holds 108 bytes including the terminating NUL."""
+
+
+def free_base_port(n: int) -> int:
+    """A base port with ``n`` consecutive ports free on loopback after it (for tests,
+    benchmarks and the demo; another process may still take one before it is bound)."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 60000 - n)
+        if all(_port_free(p) for p in range(base, base + n)):
+            return base
+    raise RuntimeError("no free range of local ports found")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def node_name(i: int) -> str:
