@@ -26,6 +26,7 @@ from convergenced.integrations.files import (
     encode_shard,
     load_consistent,
     read_shard,
+    shard_path,
     write_atomic,
 )
 
@@ -291,3 +292,20 @@ def test_close_without_flush_drops_pending_uploads(client: Client, tmp_path: Pat
     assert time.monotonic() - started < 10
     assert store.uploaded == [] and store.epochs(remote) == []
     assert "s3" not in client.state(stream)["newest"]["node-1"]
+
+
+def test_a_temp_file_left_by_a_crashed_writer_is_swept_at_start(tmp_path: Path) -> None:
+    """A crash between writing a shard's temp file and renaming it leaves the temp file;
+    the next store of that rank removes it (so gc can remove the epoch directory), and
+    leaves other ranks' files alone."""
+    local = Tier("nvme", tmp_path / "nvme")
+    epoch_dir = shard_path(local.directory, "job", 3, 0).parent
+    epoch_dir.mkdir(parents=True)
+    stale = epoch_dir / ".rank-0.shard.999999.1.tmp"
+    other_rank = epoch_dir / ".rank-1.shard.999999.1.tmp"
+    stale.write_bytes(b"half a shard")
+    other_rank.write_bytes(b"not ours")
+    no_daemon: Any = object()  # the sweep happens before any request
+    store = CheckpointStore(no_daemon, "job", 0, local)
+    assert store.swept == [stale]
+    assert not stale.exists() and other_rank.exists()

@@ -531,6 +531,28 @@ class CheckpointStore:
         self._thread: threading.Thread | None = None
         self.uploaded: list[int] = []
         """Epochs uploaded and committed to the remote tier, in order (for progress)."""
+        self.swept = self._sweep_temp_files()
+        """Temporary files of this rank left by a crash mid-write, removed at start."""
+
+    def _sweep_temp_files(self) -> list[Path]:
+        # A crash between writing a temp file and renaming it leaves the temp file
+        # behind; it was never committed, so nothing refers to it. A new store for
+        # this rank means the writer that left it is gone: remove it, or its epoch
+        # directory could never be removed by gc.
+        # Only files of other processes: a store of this process (a restarted
+        # thread) may still be writing its own.
+        removed: list[Path] = []
+        pattern = f".rank-{self.rank}.shard.*.tmp"
+        ours = f".rank-{self.rank}.shard.{os.getpid()}."
+        for tier in self.tiers:
+            base = tier.directory / _stream_dir(self.stream)
+            for tmp in sorted(base.glob(f"epoch-*/{pattern}")):
+                if tmp.name.startswith(ours):
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    tmp.unlink()
+                    removed.append(tmp)
+        return removed
 
     # -- paths ----------------------------------------------------------------------
 
