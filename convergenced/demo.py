@@ -31,7 +31,6 @@ import argparse
 import contextlib
 import hashlib
 import json
-import os
 import random
 import shutil
 import signal
@@ -49,7 +48,7 @@ from typing import Any, TextIO
 from convergenced.client import Client, DaemonUnreachable
 from convergenced.core.api import ApiError
 from convergenced.core.errors import ConvergencedError
-from convergenced.daemon.cluster import free_base_port, node_name, write_cluster
+from convergenced.daemon.cluster import free_base_port, node_name, spawn_daemon, write_cluster
 from convergenced.integrations.files import (
     CheckpointError,
     CheckpointStore,
@@ -304,23 +303,7 @@ class DemoCluster:
 
     def start(self, i: int) -> None:
         """Start node ``i`` (returns at once; see `wait_ready`)."""
-        with open(self.log_path(i), "ab") as log:
-            self.procs[i] = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "convergenced.cli",
-                    "run",
-                    "--config",
-                    str(self.configs[i - 1]),
-                    "--log-format",
-                    "json",
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
+        self.procs[i] = spawn_daemon(self.configs[i - 1], self.log_path(i))
 
     def wait_ready(self, i: int, timeout: float = READY_TIMEOUT) -> dict[str, Any]:
         """Wait until node ``i`` answers ``status``; return the status.

@@ -8,7 +8,6 @@ which pytest's tmp_path can exceed).
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess
@@ -20,7 +19,7 @@ from types import TracebackType
 from typing import Any
 
 from convergenced.client import Client, DaemonUnreachable
-from convergenced.daemon.cluster import free_base_port, node_name, write_cluster
+from convergenced.daemon.cluster import free_base_port, node_name, spawn_daemon, write_cluster
 
 STREAM_SPEC_POLICY = {"mode": "all", "domains": ["nvme"]}
 
@@ -68,23 +67,7 @@ class LocalCluster:
     def start(self, i: int, *, wait: bool = True, env: dict[str, str] | None = None) -> None:
         """Start node ``i``; with ``wait``, return once its socket answers. ``env`` adds
         environment variables (such as NOTIFY_SOCKET)."""
-        log = open(self.log_path(i), "ab")  # noqa: SIM115 - handed to the child
-        self.procs[i] = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "convergenced.cli",
-                "run",
-                "--config",
-                str(self.configs[i - 1]),
-                "--log-format",
-                "json",
-            ],
-            stdout=log,
-            stderr=log,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-        )
-        log.close()
+        self.procs[i] = spawn_daemon(self.configs[i - 1], self.log_path(i), env)
         if wait:
             self.wait_ready(i)
 
@@ -140,6 +123,26 @@ class LocalCluster:
             "policy": policy or STREAM_SPEC_POLICY,
             "retention": retention,
         }
+
+    @staticmethod
+    def declare_solo(
+        client: Client,
+        name: str,
+        *domains: str,
+        mode: str = "all",
+        retention: int = 0,
+        ranks: int = 1,
+    ) -> str:
+        """Declare a one-member stream (node-1 hosting ``ranks`` ranks); return its name."""
+        client.declare(
+            {
+                "name": name,
+                "members": {"node-1": list(range(ranks))},
+                "policy": {"mode": mode, "domains": list(domains)},
+                "retention": retention,
+            }
+        )
+        return name
 
     def close(self) -> None:
         """Stop every node (SIGTERM, then SIGKILL) and remove the directory."""

@@ -43,18 +43,7 @@ def client(solo: LocalCluster) -> Client:
     return solo.client(1)
 
 
-def _declare(
-    client: Client, name: str, *domains: str, mode: str = "all", retention: int = 0, ranks: int = 1
-) -> str:
-    client.declare(
-        {
-            "name": name,
-            "members": {"node-1": list(range(ranks))},
-            "policy": {"mode": mode, "domains": list(domains)},
-            "retention": retention,
-        }
-    )
-    return name
+_declare = LocalCluster.declare_solo
 
 
 def _tiers(tmp_path: Path) -> tuple[Tier, Tier]:

@@ -277,18 +277,7 @@ def _eventually(check: Callable[[], Any], timeout: float = 20.0) -> Any:
         time.sleep(0.02)
 
 
-def _declare(
-    client: Client, name: str, *domains: str, mode: str = "all", retention: int = 0, ranks: int = 1
-) -> str:
-    client.declare(
-        {
-            "name": name,
-            "members": {"node-1": list(range(ranks))},
-            "policy": {"mode": mode, "domains": list(domains)},
-            "retention": retention,
-        }
-    )
-    return name
+_declare = LocalCluster.declare_solo
 
 
 def _states(model: Any, optimizer: Any, scheduler: Any) -> dict[str, Any]:

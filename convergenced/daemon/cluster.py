@@ -9,8 +9,11 @@ in every config, the trust list of all nodes' public keys.
 
 from __future__ import annotations
 
+import os
 import random
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 from convergenced.daemon import config as config_mod
@@ -38,6 +41,30 @@ def _port_free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def spawn_daemon(
+    config: Path, log_path: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start ``convergenced run --config CONFIG`` as a child process, its JSON log
+    appended to ``log_path`` (for the demo, tests and benchmarks)."""
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "convergenced.cli",
+                "run",
+                "--config",
+                str(config),
+                "--log-format",
+                "json",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )
 
 
 def node_name(i: int) -> str:
