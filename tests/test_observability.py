@@ -179,8 +179,10 @@ def test_a_real_prometheus_scrapes_the_cluster_and_answers_for_epoch_skew() -> N
 
             def skew_seen() -> bool:
                 try:
-                    _, body = _get(url)
+                    code, body = _get(url)
                 except OSError:
+                    return False
+                if code != 200:  # 503 "Service Unavailable" until its storage is ready
                     return False
                 result = json.loads(body).get("data", {}).get("result", [])
                 values[:] = [r["value"][1] for r in result]
