@@ -55,6 +55,7 @@ def test_peers_are_parsed(tmp_path: Path) -> None:
         ('node_id = "a"\ntick_ms = "fast"', "tick_ms", "integer from 1"),
         ('node_id = "a"\nidle_ticks = 5\ndead_ticks = 5', "dead_ticks", "must exceed"),
         ('node_id = "a"\nlog_level = "loud"', "log_level", "one of debug"),
+        ('node_id = "a"\nwal_group_commit = 0', "wal_group_commit", "true or false"),
         ('node_id = "a"\nsocket_path = "rel/x"', "socket_path", "absolute path"),
         ('node_id = "a"\nnode_idd = "b"', "node_idd", "unknown key"),
         ('node_id = "a"\n[[peers]]\nid = "a"\naddress = "h:1"', "peers[0].id", "itself"),

@@ -53,6 +53,31 @@ async def test_concurrent_commits_share_fsyncs_and_all_survive(tmp_path: Path) -
     assert sum(syncs) == len(entries)  # every entry synced exactly once
 
 
+async def test_without_group_commit_every_entry_gets_its_own_fsync(tmp_path: Path) -> None:
+    wal, _, _ = WriteAheadLog.open(tmp_path / "facts.wal")
+    node = NodeCore("n", 1)
+    journal = Journal(wal, node, group_commit=False)
+    syncs: list[int] = []
+    journal.on_fsync = lambda seconds, entries: syncs.append(entries)
+    node.apply(Declare(SPEC))
+    journal.record(Declare(SPEC))
+
+    async def commit(rank: int) -> None:
+        for epoch in range(1, 4):
+            fact = Commit("job", rank, "nvme", epoch)
+            node.apply(fact)
+            journal.record(fact)
+            await journal.durable()
+
+    async with trio.open_nursery() as nursery:
+        for rank in range(8):
+            nursery.start_soon(commit, rank)
+    wal.close()
+    _, entries, _ = WriteAheadLog.open(tmp_path / "facts.wal")
+    assert sum(isinstance(e, Commit) for e in entries) == 24
+    assert syncs == [1] * len(entries) and wal.syncs == len(entries)
+
+
 async def test_durable_also_logs_the_cores_own_pending_facts(tmp_path: Path) -> None:
     journal, wal, node = _journal(tmp_path)
     node.apply(Declare(StreamSpec.create("solo", {"n": [0]}, Policy.all_of("nvme"))))

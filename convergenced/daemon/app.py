@@ -184,7 +184,13 @@ class Daemon:
         node.replay(e for e in entries if not isinstance(e, Incarnation))
         node.events.clear()
         self.node = node
-        self.journal = Journal(wal, node, on_fsync=self._after_fsync, on_failure=self._log_failed)
+        self.journal = Journal(
+            wal,
+            node,
+            on_fsync=self._after_fsync,
+            on_failure=self._log_failed,
+            group_commit=self.config.wal_group_commit,
+        )
         self.journal.record(Incarnation(incarnation))
         await self.journal.durable()
         log.info(
@@ -556,6 +562,7 @@ class Daemon:
                 "tick_ms",
                 "idle_ticks",
                 "dead_ticks",
+                "wal_group_commit",
                 "limits",
                 "insecure",
                 "tls",

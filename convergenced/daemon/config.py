@@ -92,6 +92,9 @@ class Config:
     wal_compact_bytes: int = 64 << 20
     """Compact the write-ahead log once it grows past this (and past twice its size
     after the last compaction)."""
+    wal_group_commit: bool = True
+    """False: one fsync per log entry instead of one per group; slower, never safer
+    (only to measure what group commit buys)."""
     log_level: str = "info"
     metrics_listen: tuple[str, int] | None = ("127.0.0.1", 9464)
     """Where /metrics, /healthz and /readyz are served (None: not at all)."""
@@ -118,7 +121,8 @@ class Config:
 _TOP = {
     "node_id", "cluster", "listen", "peers", "socket_path", "state_dir",
     "tick_ms", "idle_ticks", "dead_ticks", "mesh_limit", "log_level", "limits",
-    "wal_compact_bytes", "insecure", "tls", "identity", "trust", "local", "metrics_listen",
+    "wal_compact_bytes", "wal_group_commit", "insecure", "tls", "identity", "trust", "local",
+    "metrics_listen",
 }  # fmt: skip
 
 
@@ -170,6 +174,7 @@ def parse(raw: Mapping[str, Any], source: str = "<config>") -> Config:
         dead_ticks=dead,
         mesh_limit=v.integer(raw, "mesh_limit", 16, lo=1, hi=100_000),
         wal_compact_bytes=v.integer(raw, "wal_compact_bytes", 64 << 20, lo=1 << 16, hi=1 << 40),
+        wal_group_commit=v.boolean(raw, "wal_group_commit", True),
         log_level=level,
         metrics_listen=(
             None
@@ -223,6 +228,12 @@ class _Validator:
         value = table.get(key, default)
         if type(value) is not int or not lo <= value <= hi:
             raise self.fail(prefix + key, f"{value!r}; expected an integer from {lo} to {hi}")
+        return value
+
+    def boolean(self, table: Mapping[str, Any], key: str, default: bool) -> bool:
+        value = table.get(key, default)
+        if type(value) is not bool:
+            raise self.fail(key, f"{value!r}; expected true or false")
         return value
 
     def path(self, table: Mapping[str, Any], key: str, default: Path, *, prefix: str = "") -> Path:

@@ -185,6 +185,7 @@ class WriteAheadLog:
         self.path = path
         self._fd = fd
         self._pending = bytearray()
+        self._pending_sizes: list[int] = []
         self.synced_bytes = os.fstat(fd).st_size
         """Size of the log on disk (what is durable)."""
         self.syncs = 0
@@ -222,7 +223,9 @@ class WriteAheadLog:
 
     def append(self, entry: Entry) -> None:
         """Buffer ``entry``; it is durable only after the next `sync`."""
-        self._pending += _frame(entry)
+        frame = _frame(entry)
+        self._pending += frame
+        self._pending_sizes.append(len(frame))
 
     def sync(self) -> None:
         """Write and fsync everything appended so far (one group commit)."""
@@ -236,7 +239,18 @@ class WriteAheadLog:
         """
         data = bytes(self._pending)
         self._pending.clear()
+        self._pending_sizes.clear()
         return data
+
+    def take_pending_entries(self) -> list[bytes]:
+        """`take_pending`, cut into one bytes object per appended entry."""
+        sizes = list(self._pending_sizes)
+        data = self.take_pending()
+        out, at = [], 0
+        for size in sizes:
+            out.append(data[at : at + size])
+            at += size
+        return out
 
     def write_durably(self, data: bytes) -> None:
         """Write ``data`` (from `take_pending`) and fsync; blocking."""
@@ -254,6 +268,7 @@ class WriteAheadLog:
         """Replace the log by ``entries`` atomically (pending appends are dropped:
         sync first)."""
         self._pending.clear()
+        self._pending_sizes.clear()
         self.replace_durably(encode_entries(entries))
 
     def replace_durably(self, body: bytes) -> None:
