@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint typecheck pytest bench-core bench-daemon clean
+.PHONY: install demo test lint typecheck pytest bench bench-core bench-daemon clean
 
 install: $(STAMP)
 
@@ -30,6 +30,21 @@ pytest: $(STAMP)
 	$(BIN)/pytest -q
 
 test: lint typecheck pytest
+
+# The comparative benchmarks of BENCHMARKS.md, one after the other on this machine
+# (about 25 minutes): each writes its tables and plots to benchmarks/results/, and
+# report.py splices the tables into BENCHMARKS.md between its markers. Needs etcd
+# (Debian package etcd-server). `make test` runs a quick smoke of each.
+BENCH_OUT := benchmarks/results
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_etcd.py --out $(BENCH_OUT)
+	$(BIN)/python benchmarks/bench_training.py --out $(BENCH_OUT)
+	$(BIN)/python benchmarks/bench_daemon.py --only throughput --out $(BENCH_OUT)
+	$(BIN)/python benchmarks/bench_scale.py --out $(BENCH_OUT)
+	$(BIN)/python benchmarks/bench_footprint.py --out $(BENCH_OUT)
+	$(BIN)/python benchmarks/bench_daemon.py --only convergence --nodes 8 16 --out $(BENCH_OUT)
+	$(BIN)/python benchmarks/report.py $(BENCH_OUT) BENCHMARKS.md
 
 bench-core: $(STAMP)
 	$(BIN)/python benchmarks/bench_core.py

@@ -448,8 +448,20 @@ async def group_run(
 
 
 def bench_throughput(cfg: Config) -> tuple[list[TputResult], dict[str, Any]]:
-    """Section 1 on a fresh single daemon."""
-    with LocalCluster(1, tick_ms=cfg.tick_ms, insecure=cfg.insecure) as cluster:
+    """Section 1 on a fresh single daemon, then the same without group commit."""
+    results, info = _throughput_on_one_daemon(cfg, group_commit=True)
+    # The same daemon with ``wal_group_commit = false``: one fsync per commit, what a
+    # log without grouping pays. Fewer commits per run: it is that much slower.
+    slow = dataclasses.replace(cfg, seq_commits=0, group_commits=max(256, cfg.group_commits // 8))
+    ungrouped, _ = _throughput_on_one_daemon(slow, group_commit=False)
+    return results + ungrouped, info
+
+
+def _throughput_on_one_daemon(
+    cfg: Config, *, group_commit: bool
+) -> tuple[list[TputResult], dict[str, Any]]:
+    extra = "" if group_commit else "wal_group_commit = false"
+    with LocalCluster(1, tick_ms=cfg.tick_ms, insecure=cfg.insecure, extra=extra) as cluster:
         cluster.start_all()
         pid = cluster.procs[1].pid
         path = cluster.socket_path(1)
@@ -462,19 +474,25 @@ def bench_throughput(cfg: Config) -> tuple[list[TputResult], dict[str, Any]]:
         with Client(path) as c:
             c.declare(spec)
         cursor = [0] * TPUT_RANKS
-        seq = TputResult("throughput.sequential", "sequential, 1 blocking Client", 1, 1, [], None)
-        for _ in range(cfg.tput_runs):
-            seq.runs.append(sequential_run(path, pid, cfg.seq_commits, cursor))
-        results = [seq]
+        results = []
+        if cfg.seq_commits:
+            seq = TputResult(
+                "throughput.sequential", "sequential, 1 blocking Client", 1, 1, [], None
+            )
+            for _ in range(cfg.tput_runs):
+                seq.runs.append(sequential_run(path, pid, cfg.seq_commits, cursor))
+            results.append(seq)
         for conc in cfg.concurrency:
+            conns = "conn" if conc.connections == 1 else "conns"
             res = TputResult(
-                f"throughput.group_k{conc.tasks}",
-                f"group commit, K={conc.tasks} on {conc.connections} "
-                + ("conn" if conc.connections == 1 else "conns"),
+                f"throughput.{'group' if group_commit else 'ungrouped'}_k{conc.tasks}"
+                f"_c{conc.connections}",
+                f"{'group commit' if group_commit else 'NO group commit'}, K={conc.tasks} on "
+                f"{conc.connections} {conns}",
                 conc.tasks,
                 conc.connections,
                 [],
-                THROUGHPUT_TARGET,
+                THROUGHPUT_TARGET if group_commit else None,
             )
             for _ in range(cfg.tput_runs):
                 res.runs.append(trio.run(group_run, path, pid, conc, cfg.group_commits, cursor))
@@ -527,6 +545,22 @@ def render_throughput(results: Sequence[TputResult], info: dict[str, Any]) -> st
         f"(best median {best.rate:,.0f}/s, {best.label})",
         f"daemon CPU per commit {best.daemon_cpu_per_commit_s * 1e6:.0f} us there: a daemon "
         f"with a whole core to itself would top out near {ceiling:,.0f} commits/s",
+    ]
+    for grouped in results:
+        for plain in results:
+            if (
+                grouped.target is not None
+                and plain.key.startswith("throughput.ungrouped")
+                and (plain.tasks, plain.connections) == (grouped.tasks, grouped.connections)
+            ):
+                lines.append(
+                    f"group commit vs none at K={plain.tasks} on {plain.connections}: "
+                    f"{grouped.rate / plain.rate:.1f}x the commits/s, ack p50 "
+                    f"{ms(grouped.lat(50))} against {ms(plain.lat(50))}"
+                )
+    lines += [
+        "NO group commit: a second daemon with wal_group_commit = false (one fsync per "
+        "commit, fewer commits per run)",
         "commits/s, CPU columns: median over the runs (min-max: of the runs)",
         "ack p50/p99: median over the runs of each run's percentile, measured by the client",
         "per fsync: commits per fsync of the log (daemon counter wal_fsyncs)",
@@ -902,6 +936,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small smoke run (N = 3 only)")
     parser.add_argument("--json", action="store_true", help="print a JSON object last")
     parser.add_argument(
+        "--out",
+        type=Path,
+        metavar="DIR",
+        help="also write DIR/localapi.md (section 1) and DIR/convergence.md (section 2), "
+        "for BENCHMARKS.md",
+    )
+    parser.add_argument(
         "--tick-ms", type=int, metavar="MS", help="daemon link timer period (default 50)"
     )
     parser.add_argument(
@@ -960,15 +1001,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     started = time.perf_counter()
     out: dict[str, Any] = {}
+
+    def fragment(name: str, table: str) -> None:
+        import report  # benchmarks/report.py, beside this file
+
+        command = report.command_line(__file__, sys.argv[1:] if argv is None else argv)
+        report.write_fragment(args.out, name, command, info["machine"], table)
+
     if "throughput" in sections:
         tput, tinfo = bench_throughput(cfg)
+        table = render_throughput(tput, tinfo)
         print()
-        print(render_throughput(tput, tinfo))
+        print(table)
+        if args.out:
+            fragment("localapi", table)
         out["throughput"] = {"info": tinfo, "results": [r.to_json() for r in tput]}
     if "convergence" in sections:
         conv = bench_convergence(cfg)
+        table = render_convergence(conv, cfg)
         print()
-        print(render_convergence(conv, cfg))
+        print(table)
+        if args.out:
+            fragment("convergence", table)
         out["convergence"] = [r.to_json() for r in conv]
     if "rss" in sections:
         rss = rss_json(bench_rss(cfg), cfg)

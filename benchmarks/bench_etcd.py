@@ -72,6 +72,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 import bench_daemon as bd  # noqa: E402
+import report  # noqa: E402
 
 MS = 1e-3
 TARGET_NODES = 16
@@ -601,11 +602,62 @@ def render(etcd: Sequence[Result], conv: Sequence[Result]) -> str:
     return "\n".join(lines)
 
 
+def verdict(etcd: Sequence[Result], conv: Sequence[Result]) -> str:
+    """One line on the target, computed from this run (empty without the target's N)."""
+    rows = [x for x in ratios(etcd, conv) if x["nodes"] == TARGET_NODES]
+    if not rows:
+        return ""
+    worst = max(rows, key=lambda x: x["e2e_p50_ratio"])
+    met = all(0 <= x["e2e_p50_ratio"] <= TARGET_RATIO for x in rows)
+    return (
+        f"**Target (convergenced p50 at most 1/3 of the etcd pattern's at N = {TARGET_NODES}): "
+        f"{'met' if met else 'MISSED'}**: convergenced / etcd p50 = "
+        + ", ".join(f"{x['e2e_p50_ratio']:.2f} against {x['etcd_members']} member(s)" for x in rows)
+        + f" (worst {worst['e2e_p50_ratio']:.1f}x)."
+    )
+
+
+def plot(etcd: Sequence[Result], conv: Sequence[Result], path: Path) -> None:
+    """End-to-end p50 (markers) and p99 (bar tops) per N, one line per system, log y."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
+    systems: dict[str, list[Result]] = {}
+    for r in [*etcd, *conv]:
+        systems.setdefault(r.system, []).append(r)
+    for name, unordered in systems.items():
+        rs = sorted(unordered, key=lambda r: r.nodes)
+        xs = [r.nodes for r in rs]
+        p50 = [r.pct(50, "e2e") * 1e3 for r in rs]
+        p99 = [r.pct(99, "e2e") * 1e3 for r in rs]
+        err = [[0.0] * len(xs), [b - a for a, b in zip(p50, p99, strict=True)]]
+        ax.errorbar(xs, p50, yerr=err, marker="o", capsize=4, label=name)
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set_xticks(sorted({r.nodes for r in [*etcd, *conv]}))
+    ax.set_xlabel("nodes (N)")
+    ax.set_ylabel("first write -> every node knows (ms)")
+    ax.set_title("Coordination latency, p50 (bar: up to p99), one run")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run both sides and print the tables (and JSON with ``--json``)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="N = 3, 1 member, few samples")
     parser.add_argument("--json", action="store_true", help="print a JSON object last")
+    parser.add_argument(
+        "--out", type=Path, metavar="DIR", help="also write DIR/etcd.md and DIR/etcd.png"
+    )
     parser.add_argument("--nodes", type=int, nargs="+", metavar="N", help="default 3 8 16")
     parser.add_argument("--members", type=int, nargs="+", metavar="M", help="default 1 3")
     parser.add_argument(
@@ -636,8 +688,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     etcd = bench_etcd(cfg)
     conv = [] if args.skip_convergenced else bench_convergenced(cfg)
+    table = render(etcd, conv)
     print()
-    print(render(etcd, conv))
+    print(table)
+    if args.out:
+        command = report.command_line(__file__, sys.argv[1:] if argv is None else argv)
+        head = f"etcd: {version}. Plot: `etcd.png`." if version else "Plot: `etcd.png`."
+        text = "\n\n".join(x for x in (verdict(etcd, conv), head) if x)
+        report.write_fragment(args.out, "etcd", command, info["machine"], table, text=text)
+        plot(etcd, conv, args.out / "etcd.png")
     info["elapsed_s"] = round(time.perf_counter() - started, 1)
     info["loadavg_at_end"] = bd.loadavg()
     print()
