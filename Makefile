@@ -41,7 +41,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_etcd.py --out $(BENCH_OUT)
 	$(BIN)/python benchmarks/bench_training.py --out $(BENCH_OUT)
 	$(BIN)/python benchmarks/bench_daemon.py --only throughput --out $(BENCH_OUT)
-	$(BIN)/python benchmarks/bench_scale.py --out $(BENCH_OUT)
+	$(BIN)/python benchmarks/bench_scale.py --budget-s 900 --out $(BENCH_OUT)
 	$(BIN)/python benchmarks/bench_footprint.py --out $(BENCH_OUT)
 	$(BIN)/python benchmarks/bench_daemon.py --only convergence --nodes 8 16 --out $(BENCH_OUT)
 	$(BIN)/python benchmarks/report.py $(BENCH_OUT) BENCHMARKS.md
