@@ -5,6 +5,10 @@ from any training script, any thread. Calls from several threads share one
 connection; a reader thread hands each reply to its caller, so a long `wait` in one
 thread never holds up a `commit` in another.
 
+`Client.commit_nowait` sends a commit and returns at once, with a `PendingCommit` to
+collect the acknowledgement later: a training rank whose shard is already durable
+need not wait for the daemon's own fsync (see its docstring for what that costs).
+
 `AsyncClient` is the same for trio code::
 
     async with AsyncClient.connect() as client:
@@ -37,7 +41,15 @@ from convergenced.core.spec import StreamSpec
 if TYPE_CHECKING:  # trio is only needed by AsyncClient users
     import trio
 
-__all__ = ["ApiError", "AsyncClient", "Client", "DaemonUnreachable", "ErrorKind", "default_socket"]
+__all__ = [
+    "ApiError",
+    "AsyncClient",
+    "Client",
+    "DaemonUnreachable",
+    "ErrorKind",
+    "PendingCommit",
+    "default_socket",
+]
 
 MAX_REPLY_BYTES = 64 << 20
 """Replies are bounded too: a state with thousands of members stays well below this."""
@@ -93,6 +105,9 @@ class Client:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._pending: dict[int, queue.SimpleQueue[Any]] = {}
+        self._one_shot: set[int] = set()
+        """Requests nobody may be waiting for (`commit_nowait`): the reader forgets
+        them after their one reply, so an uncollected `PendingCommit` leaks nothing."""
         self._lost: str | None = None
         self._reader = threading.Thread(
             target=self._read_loop, name="convergenced-client", daemon=True
@@ -116,6 +131,9 @@ class Client:
                     rid = reply.get("id")
                     with self._lock:
                         box = self._pending.get(rid) if isinstance(rid, int) else None
+                        if box is not None and rid in self._one_shot:
+                            self._one_shot.discard(rid)
+                            del self._pending[rid]
                     if box is not None:
                         box.put(reply)
                     elif rid is None and "error" in reply:
@@ -132,17 +150,22 @@ class Client:
         for box in boxes:
             box.put(_LOST)
 
-    def _send(self, op: str, args: dict[str, Any]) -> tuple[int, queue.SimpleQueue[Any]]:
+    def _send(
+        self, op: str, args: dict[str, Any], *, one_shot: bool = False
+    ) -> tuple[int, queue.SimpleQueue[Any]]:
         box: queue.SimpleQueue[Any] = queue.SimpleQueue()
         with self._lock:
             if self._lost is not None:
                 raise DaemonUnreachable(self._lost)
             rid = next(self._ids)
             self._pending[rid] = box
+            if one_shot:
+                self._one_shot.add(rid)
             try:
                 self._sock.sendall(api.encode_frame(api.request(rid, op, **args)))
             except OSError as exc:
                 del self._pending[rid]
+                self._one_shot.discard(rid)
                 raise DaemonUnreachable(f"cannot send to the daemon: {exc}") from None
         return rid, box
 
@@ -207,6 +230,33 @@ class Client:
             )
         )
 
+    def commit_nowait(
+        self, stream: str, rank: int, domain: str, epoch: int, *, digest: str = "", size: int = 0
+    ) -> PendingCommit:
+        """Send a commit and return without waiting for its acknowledgement.
+
+        For a training thread whose shard is already durable (its own fsync): the
+        daemon logs the commit and answers while training goes on. Until the answer,
+        the daemon may not count the epoch: a crash before its log is durable loses
+        the commit (never the shard), and the epoch is then simply not restorable
+        from this rank, which is safe. Collect the answer with
+        `PendingCommit.result` before relying on the epoch (before retiring older
+        checkpoints, at the latest at the next checkpoint) to see any error.
+
+        Raises:
+            DaemonUnreachable: the request could not be sent.
+        """
+        args = {
+            "stream": stream,
+            "rank": rank,
+            "domain": domain,
+            "epoch": epoch,
+            "digest": digest,
+            "size": size,
+        }
+        rid, box = self._send("commit", args, one_shot=True)
+        return PendingCommit(self, rid, box)
+
     def retract(self, stream: str, rank: int, domain: str, epoch: int) -> dict[str, Any]:
         """Report ``epoch`` lost or corrupt in ``domain`` for ``rank``."""
         return dict(self.call("retract", stream=stream, rank=rank, domain=domain, epoch=epoch))
@@ -255,6 +305,40 @@ class Client:
                 self._sock.sendall(api.encode_frame(frame))
             except OSError:
                 pass
+
+
+class PendingCommit:
+    """A commit sent by `Client.commit_nowait`, its acknowledgement still to come."""
+
+    def __init__(self, client: Client, rid: int, box: queue.SimpleQueue[Any]) -> None:
+        self._client = client
+        self._rid = rid
+        self._box = box
+        self._reply: Any = None
+
+    def done(self) -> bool:
+        """Whether the answer (or the news of a lost connection) has arrived."""
+        return self._reply is not None or not self._box.empty()
+
+    def result(self, timeout: float | None = None) -> dict[str, Any]:
+        """Wait for the acknowledgement and return it, as `Client.commit` would.
+
+        Raises:
+            TimeoutError: no answer within ``timeout`` seconds (ask again later).
+            ApiError: the daemon refused the commit.
+            DaemonUnreachable: the connection was lost before the answer.
+        """
+        if self._reply is None:
+            try:
+                self._reply = self._box.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"no answer to the commit within {timeout} s") from None
+        if self._reply is _LOST:
+            with self._client._lock:
+                self._client._pending.pop(self._rid, None)
+                self._client._one_shot.discard(self._rid)
+                raise DaemonUnreachable(self._client._lost or "connection lost")
+        return dict(_result(self._reply))
 
 
 class AsyncClient:

@@ -4,6 +4,7 @@ trio `AsyncClient`, and `convergenced cluster`'s command line."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -52,6 +53,41 @@ def test_one_client_shared_by_many_threads(solo: LocalCluster) -> None:
         t.join(timeout=30)
     assert not errors
     assert c.state("threads")["restore_point"] == 25
+
+
+def test_commit_nowait_returns_at_once_and_its_answer_is_collected_later(
+    solo: LocalCluster,
+) -> None:
+    with Client(solo.socket_path(1)) as c:
+        c.declare(_spec("nowait", ranks=2))
+        pending = [c.commit_nowait("nowait", r, "nvme", e) for e in range(1, 21) for r in (0, 1)]
+        assert pending[-1].result(timeout=10)["durable"] is True
+        assert all(p.result(timeout=10)["durable"] for p in pending)
+        assert all(p.done() for p in pending)
+        assert c.state("nowait")["restore_point"] == 20
+        # Answered one-shot requests are forgotten by the reader, collected or not.
+        never_collected = c.commit_nowait("nowait", 0, "nvme", 21)
+        deadline = time.monotonic() + 10
+        while not never_collected.done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert never_collected.done() and not c._pending
+        # A refusal surfaces when the answer is collected.
+        refused = c.commit_nowait("no-such-stream", 0, "nvme", 1)
+        with pytest.raises(ApiError) as err:
+            refused.result(timeout=10)
+        assert err.value.kind is ErrorKind.REJECTED
+        assert c.state("nowait")["recoverable"] == [[1, 20]]
+
+
+def test_commit_nowait_on_a_lost_connection_raises_when_collected(tmp_path: Path) -> None:
+    with LocalCluster(1) as cluster:
+        cluster.start_all()
+        c = cluster.client(1)
+        c.declare(_spec("lost"))
+        cluster.kill(1)
+        with pytest.raises(DaemonUnreachable):
+            # Either the send fails, or the answer never comes: both say why.
+            c.commit_nowait("lost", 0, "nvme", 1).result(timeout=10)
 
 
 def test_unreachable_socket_raises_daemon_unreachable(tmp_path: Path) -> None:
