@@ -99,7 +99,6 @@ import math
 import os
 import random
 import resource
-import shlex
 import socket
 import subprocess
 import sys
@@ -116,6 +115,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 import bench_daemon as bd  # noqa: E402  (puts the repository on sys.path)
+import report  # noqa: E402
 
 from convergenced.client import Client  # noqa: E402
 from convergenced.core import api  # noqa: E402
@@ -1282,16 +1282,6 @@ def plot(
     plt.close(fig)
 
 
-def command_line(argv: Sequence[str]) -> str:
-    """How this run was started, for the report."""
-    exe = Path(sys.executable)
-    try:
-        shown = str(exe.relative_to(HERE.parent))
-    except ValueError:
-        shown = exe.name
-    return shlex.join([shown, "benchmarks/bench_training.py", *argv])
-
-
 def markdown(
     results: Sequence[dict[str, Any]], cfg: Config, info: dict[str, Any], argv: Sequence[str]
 ) -> str:
@@ -1299,11 +1289,9 @@ def markdown(
     m = info["machine"]
     findings = profile_findings(results)
     lines = [
-        "## Training-thread blocking vs barrier + marker",
-        "",
         f"Command ({info['elapsed_s']:.0f} s):",
         "",
-        f"    {command_line(argv)}",
+        f"    {report.command_line(__file__, argv)}",
         "",
         f"N gloo worker processes (torch {info['torch']}, CPU) on loopback, each rank its own "
         "simulated host with its own `convergenced run` daemon (mutual TLS, signed records, "

@@ -11,6 +11,7 @@ they are) is written by hand; the numbers inside them only ever come from a run,
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import sys
@@ -18,6 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+IMAGE = re.compile(r"\]\(([\w.-]+\.png)\)")
+"""A Markdown image or link to a plot beside the fragment: ``](name.png)``."""
 MARKER = re.compile(
     r"(<!-- bench:(?P<name>[a-z0-9_-]+) -->\n)(.*?)(<!-- /bench:(?P=name) -->)", re.S
 )
@@ -84,7 +87,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("usage: report.py RESULTS_DIR BENCHMARKS.md", file=sys.stderr)
         return 2
     out, doc = Path(args[0]), Path(args[1])
-    fragments = {p.stem: p.read_text() for p in sorted(out.glob("*.md"))}
+    # Plots sit beside the fragments: point their links there from the document.
+    rel = Path(os.path.relpath(out, doc.parent)).as_posix()
+    fragments = {
+        p.stem: IMAGE.sub(rf"]({rel}/\1)", p.read_text()) for p in sorted(out.glob("*.md"))
+    }
     text, done = splice(doc.read_text(), fragments)
     missing = sorted(set(fragments) - set(done))
     if missing:
