@@ -24,6 +24,17 @@ from convergenced.daemon.cluster import free_base_port, node_name, spawn_daemon,
 STREAM_SPEC_POLICY = {"mode": "all", "domains": ["nvme"]}
 
 
+def interruptible(argv: list[str]) -> subprocess.Popen[str]:
+    """Start ``argv`` (text pipes) so that Ctrl-C works in it even when this process
+    ignores SIGINT, as anything started in the background by a non-interactive shell
+    does: Python keeps an inherited SIG_IGN, but a handled signal is reset on exec."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 class LocalCluster:
     """N daemon processes on loopback; use as a context manager."""
 

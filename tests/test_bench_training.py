@@ -56,6 +56,6 @@ def test_quick_run_reports_both_variants_and_writes_the_report(tmp_path: Path) -
     assert data["verdict"].startswith("Verdict: ")
 
     report = (out / "training.md").read_text()
-    assert "bench_training.py --quick --json --out" in report
+    assert "Command (" in report and "benchmarks/bench_training.py --quick\n" in report
     assert data["verdict"] in report
     assert (out / "training.png").read_bytes().startswith(PNG_SIGNATURE)

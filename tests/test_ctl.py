@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemons import LocalCluster
+from daemons import LocalCluster, interruptible
 
 from convergenced.client import Client
 from convergenced.ctl import format_duration, format_intervals, main
@@ -488,20 +488,28 @@ def test_real_watch_ends_with_0_on_ctrl_c_and_on_a_closed_pipe(
     argv = [sys.executable, "-m", "convergenced.ctl", "--socket", str(cluster.socket_path(1)),
             "watch", stream, "--json"]  # fmt: skip
     # Ctrl-C.
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p:
+    p = interruptible(argv)
+    try:
         assert p.stdout is not None and p.stderr is not None
         assert json.loads(p.stdout.readline())["stream"] == stream
         p.send_signal(signal.SIGINT)
         assert p.wait(timeout=10) == 0
         assert p.stderr.read() == ""
+    finally:
+        p.kill()  # never leave a hung watch behind a failed assertion
+        p.communicate()
     # The reader of a pipeline goes away (like `| head -n 1`).
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p:
+    p = interruptible(argv)
+    try:
         assert p.stdout is not None and p.stderr is not None
         assert json.loads(p.stdout.readline())["stream"] == stream
         p.stdout.close()
         with Committer(c1, stream):
             assert p.wait(timeout=10) == 0
         assert p.stderr.read() == ""
+    finally:
+        p.kill()
+        p.communicate()
 
 
 def test_watch_of_an_unknown_stream_fails(ctl: Ctl) -> None:

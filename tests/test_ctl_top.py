@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import pytest
-from daemons import LocalCluster
+from daemons import LocalCluster, interruptible
 
 from convergenced.client import Client
 from convergenced.ctl import CLEAR_SCREEN, main, render_top
@@ -345,18 +345,19 @@ def test_no_stream_exits_1_ctrl_c_exits_0_daemon_gone_exits_3() -> None:
         with Client(c.socket_path(1)) as client:
             client.declare(c.spec("solo"))
         for stop in ("ctrl-c", "kill"):
-            with subprocess.Popen(
-                argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-            ) as p:
-                assert p.stdout is not None and p.stderr is not None
-                first = read_frame(p.stdout)
-                assert first.startswith("convergencectl top  node-1 (cluster local)")
-                assert CLEAR_SCREEN not in first  # not a terminal
-                if stop == "ctrl-c":
-                    p.send_signal(signal.SIGINT)
-                    assert p.wait(timeout=10) == 0
-                    assert p.stderr.read() == ""
-                else:
-                    c.kill(1)
-                    assert p.wait(timeout=10) == 3
-                    assert p.stderr.read().startswith("convergencectl: unreachable: ")
+            with interruptible(argv) as p:
+                try:
+                    assert p.stdout is not None and p.stderr is not None
+                    first = read_frame(p.stdout)
+                    assert first.startswith("convergencectl top  node-1 (cluster local)")
+                    assert CLEAR_SCREEN not in first  # not a terminal
+                    if stop == "ctrl-c":
+                        p.send_signal(signal.SIGINT)
+                        assert p.wait(timeout=10) == 0
+                        assert p.stderr.read() == ""
+                    else:
+                        c.kill(1)
+                        assert p.wait(timeout=10) == 3
+                        assert p.stderr.read().startswith("convergencectl: unreachable: ")
+                finally:
+                    p.kill()  # a failed assertion must not leave __exit__ waiting
