@@ -84,6 +84,7 @@ Usage::
 ``--quick``: N = 2, 20 checkpoints per variant (< 30 s). ``--json`` also prints one
 JSON object with every number as the last line. ``--out DIR`` writes
 ``DIR/training.md`` (command, description, tables, verdict) and ``DIR/training.png``
+(``training-drift.*`` with ``--no-step-allreduce``)
 (box plot of the blocked time; needs matplotlib). Needs torch (the ``torch`` extra);
 torch is imported by the worker processes only.
 """
@@ -1282,6 +1283,11 @@ def plot(
     plt.close(fig)
 
 
+def report_name(cfg: Config) -> str:
+    """The BENCHMARKS.md section this run fills: ranks kept in step, or drifting."""
+    return "training" if cfg.step_allreduce else "training-drift"
+
+
 def markdown(
     results: Sequence[dict[str, Any]], cfg: Config, info: dict[str, Any], argv: Sequence[str]
 ) -> str:
@@ -1327,7 +1333,7 @@ def markdown(
         "",
         render(results, cfg, md=True),
         "",
-        "![blocked time per checkpoint](training.png)",
+        f"![blocked time per checkpoint]({report_name(cfg)}.png)",
         "",
         verdict(results),
     ]
@@ -1433,9 +1439,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"elapsed: {info['elapsed_s']} s  (loadavg at end {info['loadavg_at_end']})")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "training.md").write_text(markdown(results, cfg, info, argv))
-        plot(results, samples, args.out / "training.png")
-        print(f"wrote {args.out / 'training.md'} and {args.out / 'training.png'}")
+        name = report_name(cfg)
+        (args.out / f"{name}.md").write_text(markdown(results, cfg, info, argv))
+        plot(results, samples, args.out / f"{name}.png")
+        print(f"wrote {args.out / name}.md and {args.out / name}.png")
     if args.json:
         out = info | {"results": results, "verdict": verdict(results)}
         print(json.dumps(_clean(out), separators=(",", ":"), sort_keys=True, allow_nan=False))

@@ -108,7 +108,7 @@ def test_report_splices_fragments_between_markers_and_nothing_else() -> None:
 def test_benchmarks_md_has_a_marker_for_every_fragment_make_bench_writes() -> None:
     makefile = (REPO / "Makefile").read_text()
     doc = (REPO / "BENCHMARKS.md").read_text()
-    for name in ("etcd", "training", "localapi", "scale", "footprint"):
+    for name in ("etcd", "training", "training-drift", "localapi", "scale", "footprint"):
         assert f"<!-- bench:{name} -->" in doc and f"<!-- /bench:{name} -->" in doc, name
     for script in (
         "bench_etcd",
