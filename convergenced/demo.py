@@ -48,7 +48,13 @@ from typing import Any, TextIO
 from convergenced.client import Client, DaemonUnreachable
 from convergenced.core.api import ApiError
 from convergenced.core.errors import ConvergencedError
-from convergenced.daemon.cluster import free_base_port, node_name, spawn_daemon, write_cluster
+from convergenced.daemon.cluster import (
+    free_base_port,
+    node_name,
+    spawn_daemon,
+    stop_daemons,
+    write_cluster,
+)
 from convergenced.integrations.files import (
     CheckpointError,
     CheckpointStore,
@@ -351,16 +357,7 @@ class DemoCluster:
 
     def stop_all(self) -> None:
         """SIGTERM every running node, then SIGKILL what has not exited after 10 s."""
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_daemons(self.procs.values())
 
     def remove(self) -> None:
         """Delete the directory."""

@@ -14,14 +14,30 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from convergenced.client import Client, DaemonUnreachable
-from convergenced.daemon.cluster import free_base_port, node_name, spawn_daemon, write_cluster
+from convergenced.daemon.cluster import (
+    free_base_port,
+    node_name,
+    spawn_daemon,
+    stop_daemons,
+    write_cluster,
+)
 
 STREAM_SPEC_POLICY = {"mode": "all", "domains": ["nvme"]}
+
+
+def until(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
+    """Poll ``predicate`` until it holds; fail after ``timeout`` seconds naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or predicate}")
+        time.sleep(0.02)
 
 
 def interruptible(argv: list[str]) -> subprocess.Popen[str]:
@@ -159,15 +175,7 @@ class LocalCluster:
         """Stop every node (SIGTERM, then SIGKILL) and remove the directory."""
         for c in self._clients:
             c.close()
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_daemons(self.procs.values())
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> LocalCluster:

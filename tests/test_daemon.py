@@ -17,18 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemons import LocalCluster
+from daemons import LocalCluster, until
 
 from convergenced.client import ApiError, Client, DaemonUnreachable, ErrorKind
 from convergenced.core import api
-
-
-def _until(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or predicate}")
-        time.sleep(0.01)
 
 
 def _rp(c: Client, stream: str = "job") -> int | None:
@@ -83,12 +75,12 @@ def test_five_daemons_converge_and_agree_on_restore_points() -> None:
         assert [s["restore_point"] for s in states] == [3] * 5
         assert all(s["convergence"] == [[1, 3]] for s in states)
         # Everyone has heard everyone's proposal: the highest level the protocol offers.
-        _until(lambda: all(c.state("job")["knowledge"] == "published" for c in clients))
+        until(lambda: all(c.state("job")["knowledge"] == "published" for c in clients))
         assert all(c.state("job")["skew"] == 0 for c in clients)
         # One node lagging shows as skew and holds the restore point back.
         for c, rank in zip(clients[:4], range(4), strict=True):
             c.commit("job", rank, "nvme", 4)
-        _until(lambda: clients[0].state("job")["skew"] == 1, what="skew 1")
+        until(lambda: clients[0].state("job")["skew"] == 1, what="skew 1")
         assert _rp(clients[0]) == 3
         clients[4].commit("job", 4, "nvme", 4)
         assert [c.wait("job", 4, timeout=20)["restore_point"] for c in clients] == [4] * 5
@@ -188,7 +180,7 @@ def test_kill_9_mid_burst_loses_no_acknowledged_commit(victims: tuple[int, ...])
         committers = [Committer(cluster.socket_path(i), i - 1) for i in range(1, 4)]
         for t in committers:
             t.start()
-        _until(lambda: all(len(t.acked) >= 30 for t in committers), what="a burst of commits")
+        until(lambda: all(len(t.acked) >= 30 for t in committers), what="a burst of commits")
         for i in victims:
             assert cluster.kill(i, signal.SIGKILL) == -signal.SIGKILL
         for t in committers:
@@ -230,7 +222,7 @@ def test_a_peer_restarting_gracefully_is_survived() -> None:
         c3.commit("job", 2, "nvme", 2)
         for c in (clients[0], clients[1], c3):
             assert c.wait("job", 2, timeout=20)["restore_point"] == 2
-        _until(
+        until(
             lambda: (
                 clients[0].status()["counters"].get("peer_reconnects", 0) >= 1
                 or any(p["connected"] for p in clients[0].status()["peers"] if p["id"] == "node-3")
@@ -307,7 +299,7 @@ def test_a_link_reset_mid_frame_is_survived() -> None:
             assert a.wait("job", 1, timeout=20)["restore_point"] == 1
             proxy.cut.set()
             _commit_round([a, b], 2)  # the next frames are cut in half
-            _until(lambda: proxy.cuts == 1, what="the cut")
+            until(lambda: proxy.cuts == 1, what="the cut")
             _commit_round([a, b], 3)
             assert a.wait("job", 3, timeout=30)["restore_point"] == 3
             assert b.wait("job", 3, timeout=30)["restore_point"] == 3
@@ -337,7 +329,7 @@ def test_a_stuck_client_is_disconnected_and_never_stalls_the_others() -> None:
         # Meanwhile the well-behaved client is served promptly, commit after commit.
         for e in range(1, 51):
             good.commit("job", 0, "nvme", e)
-        _until(
+        until(
             lambda: good.status()["counters"].get("api_errors_client_too_slow", 0) >= 1,
             what="the stuck client to be disconnected",
         )
@@ -449,7 +441,7 @@ def test_sighup_reloads_peers_and_log_level_and_names_what_needs_a_restart() -> 
         # All peers back, a new log level, and a tick change that needs a restart.
         cfg.write_text(full.replace("tick_ms = 20", 'tick_ms = 25\nlog_level = "debug"'))
         cluster.procs[1].send_signal(signal.SIGHUP)
-        _until(
+        until(
             lambda: any(p["connected"] for p in c1.status()["peers"] if p["id"] == "node-3"),
             what="node-3 linked after reload",
         )
@@ -459,7 +451,7 @@ def test_sighup_reloads_peers_and_log_level_and_names_what_needs_a_restart() -> 
         # A broken file on reload is reported and the running configuration kept.
         cfg.write_text("node_id = 12\n")
         cluster.procs[1].send_signal(signal.SIGHUP)
-        _until(lambda: "reload failed" in cluster.log(1), what="reload failure logged")
+        until(lambda: "reload failed" in cluster.log(1), what="reload failure logged")
         assert c1.status()["node"] == "node-1"
 
 

@@ -17,25 +17,15 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from daemons import LocalCluster, free_base_port
+from daemons import LocalCluster, free_base_port, until
 
 from convergenced import cli
-
-
-def _until(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def _get(url: str) -> tuple[int, str]:
@@ -68,7 +58,7 @@ def test_metrics_and_probes_over_http() -> None:
         port = c1.status()["metrics_port"]
         assert port == cluster.metrics_base_port
         base = f"http://127.0.0.1:{port}"
-        _until(
+        until(
             lambda: 'convergenced_epoch_skew{stream="job"} 1.0' in _get(base + "/metrics")[1],
             what="skew 1 in /metrics",
         )
@@ -189,9 +179,9 @@ def test_a_real_prometheus_scrapes_the_cluster_and_answers_for_epoch_skew() -> N
                 return values == ["2"]
 
             try:
-                _until(skew_seen, timeout=60, what=f"Prometheus to report skew 2 (got {values})")
+                until(skew_seen, timeout=60, what=f"Prometheus to report skew 2 (got {values})")
                 up = urllib.parse.urlencode({"query": "sum(up)"})
-                _until(
+                until(
                     lambda: '"3"' in _get(f"http://127.0.0.1:{web_port}/api/v1/query?{up}")[1],
                     timeout=30,
                     what="all three targets up",

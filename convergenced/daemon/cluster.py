@@ -9,11 +9,14 @@ in every config, the trust list of all nodes' public keys.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 from convergenced.daemon import config as config_mod
@@ -65,6 +68,22 @@ def spawn_daemon(
             stderr=log,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
+
+
+def stop_daemons(procs: Iterable[subprocess.Popen[bytes]], grace_s: float = 10.0) -> None:
+    """SIGTERM every daemon still running, then SIGKILL any that has not exited after
+    ``grace_s`` seconds."""
+    procs = list(procs)
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def node_name(i: int) -> str:

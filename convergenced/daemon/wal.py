@@ -185,7 +185,6 @@ class WriteAheadLog:
         self.path = path
         self._fd = fd
         self._pending = bytearray()
-        self._pending_sizes: list[int] = []
         self.synced_bytes = os.fstat(fd).st_size
         """Size of the log on disk (what is durable)."""
         self.syncs = 0
@@ -223,9 +222,7 @@ class WriteAheadLog:
 
     def append(self, entry: Entry) -> None:
         """Buffer ``entry``; it is durable only after the next `sync`."""
-        frame = _frame(entry)
-        self._pending += frame
-        self._pending_sizes.append(len(frame))
+        self._pending += _frame(entry)
 
     def sync(self) -> None:
         """Write and fsync everything appended so far (one group commit)."""
@@ -239,17 +236,17 @@ class WriteAheadLog:
         """
         data = bytes(self._pending)
         self._pending.clear()
-        self._pending_sizes.clear()
         return data
 
     def take_pending_entries(self) -> list[bytes]:
-        """`take_pending`, cut into one bytes object per appended entry."""
-        sizes = list(self._pending_sizes)
+        """`take_pending`, cut into one bytes object per appended entry (each frame
+        header gives its payload's length)."""
         data = self.take_pending()
         out, at = [], 0
-        for size in sizes:
-            out.append(data[at : at + size])
-            at += size
+        while at < len(data):
+            end = at + ENTRY_HEADER.size + ENTRY_HEADER.unpack_from(data, at)[0]
+            out.append(data[at:end])
+            at = end
         return out
 
     def write_durably(self, data: bytes) -> None:
@@ -268,7 +265,6 @@ class WriteAheadLog:
         """Replace the log by ``entries`` atomically (pending appends are dropped:
         sync first)."""
         self._pending.clear()
-        self._pending_sizes.clear()
         self.replace_durably(encode_entries(entries))
 
     def replace_durably(self, body: bytes) -> None:
