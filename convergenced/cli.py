@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from convergenced import __version__
-from convergenced.core.errors import ConvergencedError
+from convergenced.errors import ConvergencedError
 
 DEFAULT_CONFIG = Path("/etc/convergenced/convergenced.toml")
 

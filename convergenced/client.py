@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 from convergenced.core import api
 from convergenced.core.api import ApiError, ErrorKind
-from convergenced.core.errors import ConvergencedError
 from convergenced.core.spec import StreamSpec
+from convergenced.errors import ConvergencedError
 
 if TYPE_CHECKING:  # trio is only needed by AsyncClient users
     import trio

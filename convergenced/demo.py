@@ -47,7 +47,6 @@ from typing import Any, TextIO
 
 from convergenced.client import Client, DaemonUnreachable
 from convergenced.core.api import ApiError
-from convergenced.core.errors import ConvergencedError
 from convergenced.daemon.cluster import (
     free_base_port,
     node_name,
@@ -55,6 +54,7 @@ from convergenced.daemon.cluster import (
     stop_daemons,
     write_cluster,
 )
+from convergenced.errors import ConvergencedError
 from convergenced.integrations.files import (
     CheckpointError,
     CheckpointStore,

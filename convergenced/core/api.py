@@ -31,12 +31,13 @@ from typing import Any
 
 import msgpack
 
-from convergenced.core.errors import ConvergencedError, RemoteProtocolError, SpecError
+from convergenced.core.errors import RemoteProtocolError, SpecError
 from convergenced.core.facts import Commit, Declare, Retire, Retract
 from convergenced.core.interval_set import IntervalSet
 from convergenced.core.node import GenerationAnswer, StreamStatus
 from convergenced.core.spec import StreamSpec
 from convergenced.core.validate import INT64_MAX, as_int, as_map, as_name, as_str
+from convergenced.errors import ConvergencedError
 
 LENGTH = struct.Struct(">I")
 DEFAULT_MAX_FRAME = 1 << 20

@@ -9,9 +9,18 @@ field path, e.g. ``TICK.records[3].version: -1 is negative``.
 
 from __future__ import annotations
 
+from convergenced.errors import ConvergencedError
 
-class ConvergencedError(Exception):
-    """Base class of every error raised by convergenced on purpose."""
+__all__ = [
+    "ConvergencedError",
+    "FactError",
+    "LocalProtocolError",
+    "ProtocolError",
+    "RemoteProtocolError",
+    "SpecConflictError",
+    "SpecError",
+    "UnknownStreamError",
+]
 
 
 class ProtocolError(ConvergencedError):

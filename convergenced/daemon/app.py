@@ -32,7 +32,7 @@ import structlog
 import trio
 
 from convergenced import __version__
-from convergenced.core.errors import ConvergencedError, ProtocolError
+from convergenced.core.errors import ProtocolError
 from convergenced.core.facts import Commit, Declare, Fact, Retract
 from convergenced.core.link import LinkConfig, Role
 from convergenced.core.node import (
@@ -58,6 +58,7 @@ from convergenced.daemon.peers import PeerHub, PeerSession
 from convergenced.daemon.service import Service
 from convergenced.daemon.transport import PeerTransport, TransportError
 from convergenced.daemon.wal import Incarnation, WriteAheadLog
+from convergenced.errors import ConvergencedError
 from convergenced.security.identity import NodeIdentity, TrustList
 
 log = structlog.get_logger("convergenced.daemon")

@@ -16,23 +16,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from convergenced.core.errors import ConvergencedError
 from convergenced.core.validate import NAME_RE
+from convergenced.errors import ConfigError
+from convergenced.security.identity import parse_trust_list
+
+__all__ = ["Config", "ConfigError", "Limits", "Peer", "TlsFiles", "load", "parse"]
 
 DEFAULT_PORT = 7946
 DEFAULT_SOCKET = Path("/run/convergenced/convergenced.sock")
 DEFAULT_STATE_DIR = Path("/var/lib/convergenced")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-
-
-class ConfigError(ConvergencedError):
-    """The configuration file is unreadable or a key holds a bad value."""
-
-    def __init__(self, path: Path | str, key: str, problem: str) -> None:
-        where = f"{path}: {key}" if key else str(path)
-        super().__init__(f"{where}: {problem}")
-        self.path = str(path)
-        self.key = key
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,8 +297,6 @@ class _Validator:
         identity = self.path(raw, "identity", Path("/")) if "identity" in raw else None
         trust: tuple[tuple[str, str], ...] = ()
         if "trust" in raw:
-            from convergenced.security.identity import parse_trust_list
-
             parse_trust_list(raw["trust"], self.source)  # validates names and keys
             trust = tuple(sorted((str(k), str(v).lower()) for k, v in raw["trust"].items()))
         if not insecure:

@@ -14,10 +14,10 @@ from collections.abc import Awaitable, Callable
 import structlog
 import trio
 
-from convergenced.core.errors import ConvergencedError
 from convergenced.core.link import Role
 from convergenced.daemon.config import Peer
 from convergenced.daemon.peers import PeerHub, PeerSession
+from convergenced.errors import ConvergencedError
 
 log = structlog.get_logger("convergenced.peers")
 

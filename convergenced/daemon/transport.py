@@ -14,8 +14,8 @@ import ssl
 
 import trio
 
-from convergenced.core.errors import ConvergencedError
 from convergenced.daemon.config import Config, Peer
+from convergenced.errors import ConvergencedError
 from convergenced.security import tls
 
 

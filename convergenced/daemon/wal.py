@@ -39,7 +39,6 @@ from typing import Any
 
 import msgpack
 
-from convergenced.core.errors import ConvergencedError
 from convergenced.core.facts import (
     CloseGenerations,
     Commit,
@@ -53,6 +52,7 @@ from convergenced.core.facts import (
 )
 from convergenced.core.interval_set import IntervalSet
 from convergenced.core.spec import StreamSpec
+from convergenced.errors import ConvergencedError
 
 FILE_HEADER = b"CVWL\x01\x00\x00\x00"
 ENTRY_HEADER = struct.Struct(">II")

@@ -58,7 +58,7 @@ from types import TracebackType
 from typing import Any, NamedTuple, Protocol, TypeAlias
 
 from convergenced.core.api import ApiError, ErrorKind
-from convergenced.core.errors import ConvergencedError
+from convergenced.errors import ConvergencedError
 
 __all__ = [
     "CheckpointError",

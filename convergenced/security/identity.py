@@ -51,10 +51,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PublicKey,
 )
 
-from convergenced.core.errors import ConvergencedError, LocalProtocolError
+from convergenced.core.errors import LocalProtocolError
 from convergenced.core.records import SIGNATURE_LEN, Record
 from convergenced.core.validate import NAME_RE
-from convergenced.daemon.config import ConfigError
+from convergenced.errors import ConfigError, ConvergencedError
 
 PUBLIC_KEY_LEN = 32
 DEFAULT_CACHE_SIZE = 65536

@@ -42,8 +42,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from convergenced.core.errors import ConvergencedError
 from convergenced.core.validate import NAME_RE
+from convergenced.errors import ConvergencedError
 from convergenced.security.identity import check_private_mode, write_file_atomic
 
 CA_CERT = "ca.crt"

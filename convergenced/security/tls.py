@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 from cryptography import x509
 
-from convergenced.core.errors import ConvergencedError
+from convergenced.errors import ConvergencedError
 from convergenced.security import pki
 
 
