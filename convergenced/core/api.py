@@ -29,12 +29,11 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-import msgpack
-
 from convergenced.core.errors import RemoteProtocolError, SpecError
 from convergenced.core.facts import Commit, Declare, Retire, Retract
 from convergenced.core.interval_set import IntervalSet
 from convergenced.core.node import GenerationAnswer, StreamStatus
+from convergenced.core.packing import UnpackError, UnpackLimits, pack, unpack_strict
 from convergenced.core.spec import StreamSpec
 from convergenced.core.validate import INT64_MAX, as_int, as_map, as_name, as_str
 from convergenced.errors import ConvergencedError
@@ -82,11 +81,6 @@ def bad_request(message: str, reason: str = "bad_request") -> ApiError:
 
 
 # -- framing --------------------------------------------------------------------
-
-
-def pack(obj: Any) -> bytes:
-    """msgpack with bin/str kept apart (as the peer wire does)."""
-    return bytes(msgpack.packb(obj, use_bin_type=True))
 
 
 def encode_frame(obj: Any) -> bytes:
@@ -149,26 +143,9 @@ class FrameReader:
     def _unpack(self, body: bytes) -> Any:
         lim = self.max_items
         try:
-            return msgpack.unpackb(
-                body,
-                raw=False,
-                strict_map_key=True,
-                max_str_len=lim * 16,
-                max_bin_len=lim * 16,
-                max_array_len=lim,
-                max_map_len=lim,
-                max_ext_len=0,
-                object_pairs_hook=_no_duplicate_keys,
-            )
-        except Exception as exc:  # msgpack raises a zoo of types for bad input
+            return unpack_strict(body, UnpackLimits(lim * 16, lim * 16, lim, lim))
+        except UnpackError as exc:
             raise bad_request(f"undecodable frame: {exc}", "undecodable") from None
-
-
-def _no_duplicate_keys(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        raise ValueError("duplicate map key")
-    return out
 
 
 # -- requests -------------------------------------------------------------------

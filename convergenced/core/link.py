@@ -40,13 +40,13 @@ from enum import Enum
 from convergenced.core.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from convergenced.core.messages import Bye, Hello, Message, Nudge, Tick, Tock
 from convergenced.core.node import NodeCore
+from convergenced.core.packing import pack
 from convergenced.core.records import Record, RecordKey
 from convergenced.core.wire import (
     FrameDecoder,
     WireLimits,
     decode_message,
     encode_message,
-    pack,
 )
 
 

@@ -24,9 +24,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
-
 from convergenced.core.interval_set import IntervalSet
+from convergenced.core.packing import pack
 from convergenced.core.validate import (
     NAME_RE,
     as_bytes,
@@ -104,7 +103,7 @@ class Record:
 
     def body_bytes(self) -> bytes:
         """Canonical encoding of `body`."""
-        return bytes(msgpack.packb(self.body(), use_bin_type=True))
+        return pack(self.body())
 
     @property
     def fingerprint(self) -> bytes:
@@ -139,7 +138,7 @@ class Record:
         """msgpack encoding of `to_wire`, cached: records are immutable and relayed
         unchanged, so each is packed once however many links it crosses."""
         if not self._packed:
-            self._packed = bytes(msgpack.packb(self.to_wire(), use_bin_type=True))
+            self._packed = pack(self.to_wire())
         return self._packed
 
     @classmethod

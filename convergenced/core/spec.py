@@ -15,9 +15,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-import msgpack
-
 from convergenced.core.errors import SpecError
+from convergenced.core.packing import pack
 from convergenced.core.validate import INT64_MAX, NAME_RE
 
 MAX_MEMBERS = 4096
@@ -194,17 +193,14 @@ class StreamSpec:
     def canonical_bytes(self) -> bytes:
         """Canonical msgpack encoding: sorted maps, so equal specs give equal bytes."""
         wire = self.to_wire()
-        return bytes(
-            msgpack.packb(
-                [
-                    wire["name"],
-                    [[node, ranks] for node, ranks in sorted(wire["members"].items())],
-                    wire["policy"]["mode"],
-                    wire["policy"]["domains"],
-                    wire["retention"],
-                ],
-                use_bin_type=True,
-            )
+        return pack(
+            [
+                wire["name"],
+                [[node, ranks] for node, ranks in sorted(wire["members"].items())],
+                wire["policy"]["mode"],
+                wire["policy"]["domains"],
+                wire["retention"],
+            ]
         )
 
     @property

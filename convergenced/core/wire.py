@@ -37,6 +37,7 @@ from convergenced.core.messages import (
     Tick,
     Tock,
 )
+from convergenced.core.packing import UnpackError, UnpackLimits, pack, unpack_strict
 from convergenced.core.records import DIGEST_LEN, Record
 from convergenced.core.validate import (
     as_bool,
@@ -70,48 +71,25 @@ class WireLimits:
     max_array: int = 65536
     max_map: int = 64
 
-
-def _no_duplicates(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[Any] = set()
-        for k, _ in pairs:
-            if k in seen:
-                raise ValueError(f"duplicate map key {k!r}")
-            seen.add(k)
-    return out
+    @property
+    def unpack(self) -> UnpackLimits:
+        """The msgpack unpacker's share of these limits."""
+        return UnpackLimits(self.max_str, self.max_bin, self.max_array, self.max_map)
 
 
 def unpack_body(body: bytes, limits: WireLimits, what: str) -> Any:
-    """Decode one msgpack object with every unpacker limit set.
+    """Decode one msgpack object with every unpacker limit set (see `packing`).
 
     Raises:
         RemoteProtocolError: reason ``malformed_body`` for anything msgpack refuses,
             duplicate keys, ext types, or trailing bytes.
     """
     try:
-        return msgpack.unpackb(
-            body,
-            raw=False,
-            strict_map_key=True,
-            use_list=True,
-            object_pairs_hook=_no_duplicates,
-            max_str_len=limits.max_str,
-            max_bin_len=limits.max_bin,
-            max_array_len=limits.max_array,
-            max_map_len=limits.max_map,
-            max_ext_len=0,
-        )
-    except Exception as exc:  # msgpack raises many unrelated types; all mean "bad body"
+        return unpack_strict(body, limits.unpack)
+    except UnpackError as exc:
         raise RemoteProtocolError(
-            f"{what}: malformed msgpack body ({type(exc).__name__}: {exc})",
-            reason="malformed_body",
+            f"{what}: malformed msgpack body ({exc})", reason="malformed_body"
         ) from None
-
-
-def pack(obj: Any) -> bytes:
-    """Canonical msgpack encoding (bin type for bytes)."""
-    return bytes(msgpack.packb(obj, use_bin_type=True))
 
 
 # -- frames -------------------------------------------------------------------

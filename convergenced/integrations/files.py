@@ -57,6 +57,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, NamedTuple, Protocol, TypeAlias
 
+from convergenced import fsutil
 from convergenced.core.api import ApiError, ErrorKind
 from convergenced.errors import ConvergencedError
 
@@ -392,59 +393,14 @@ def shard_path(directory: Path, stream: str, epoch: int, rank: int) -> Path:
 # -- durable files --------------------------------------------------------------------
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _makedirs_durable(directory: Path) -> None:
-    missing: list[Path] = []
-    d = directory
-    while not d.is_dir():
-        missing.append(d)
-        if d.parent == d:
-            break
-        d = d.parent
-    for d in reversed(missing):
-        with contextlib.suppress(FileExistsError):
-            d.mkdir()
-        _fsync_dir(d.parent)  # the new entry itself must survive a crash
-
-
 def write_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that a crash leaves the old state or all of it.
 
     Temporary file in the same directory, fsync, rename over ``path``, fsync of the
-    directory (and of every parent directory this call created).
+    directory (and of every parent directory this call created): see
+    `convergenced.fsutil.write_atomic`.
     """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    for attempt in range(3):
-        _makedirs_durable(path.parent)
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-            break
-        except FileNotFoundError:
-            # Another rank's gc removed the (then empty) epoch directory meanwhile.
-            if attempt == 2:
-                raise
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                written = os.write(fd, view)
-                view = view[written:]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    _fsync_dir(path.parent)
+    fsutil.write_atomic(path, data, make_parents=True)
 
 
 def load_consistent(shards: Iterable[Shard], *, epoch: int | None = None) -> dict[int, Payload]:
@@ -542,16 +498,14 @@ class CheckpointStore:
         # Only files of other processes: a store of this process (a restarted
         # thread) may still be writing its own.
         removed: list[Path] = []
-        pattern = f".rank-{self.rank}.shard.*.tmp"
-        ours = f".rank-{self.rank}.shard.{os.getpid()}."
+        shard = f"rank-{self.rank}.shard"
         for tier in self.tiers:
             base = tier.directory / _stream_dir(self.stream)
-            for tmp in sorted(base.glob(f"epoch-*/{pattern}")):
-                if tmp.name.startswith(ours):
-                    continue
-                with contextlib.suppress(FileNotFoundError):
-                    tmp.unlink()
-                    removed.append(tmp)
+            for epoch_dir in sorted(base.glob("epoch-*")):
+                for tmp in fsutil.temp_files(epoch_dir / shard):
+                    with contextlib.suppress(FileNotFoundError):
+                        tmp.unlink()
+                        removed.append(tmp)
         return removed
 
     # -- paths ----------------------------------------------------------------------
@@ -850,6 +804,6 @@ class CheckpointStore:
                     with contextlib.suppress(OSError):
                         path.parent.rmdir()  # the epoch directory, once every rank left it
                     with contextlib.suppress(OSError):
-                        _fsync_dir(path.parent.parent)
+                        fsutil.fsync_dir(path.parent.parent)
                 deleted.append(Deleted(tier.domain, epoch, path))
         return deleted

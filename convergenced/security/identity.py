@@ -33,7 +33,6 @@ tools share it.
 from __future__ import annotations
 
 import binascii
-import contextlib
 import dataclasses
 import os
 import stat
@@ -55,6 +54,7 @@ from convergenced.core.errors import LocalProtocolError
 from convergenced.core.records import SIGNATURE_LEN, Record
 from convergenced.core.validate import NAME_RE
 from convergenced.errors import ConfigError, ConvergencedError
+from convergenced.fsutil import write_atomic
 
 PUBLIC_KEY_LEN = 32
 DEFAULT_CACHE_SIZE = 65536
@@ -76,58 +76,6 @@ class IdentityError(ConvergencedError):
 
 
 # -- files ----------------------------------------------------------------------
-
-
-def write_file_atomic(
-    path: Path | str, data: bytes, *, mode: int = 0o600, overwrite: bool = False
-) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the new one, whole.
-
-    The data goes to a temporary file in the same directory (mode ``mode`` from the
-    start), is fsynced, then appears under ``path`` by ``link`` (which refuses an
-    existing name, so two writers cannot both win) or, with ``overwrite``, by
-    ``rename``; finally the directory is fsynced so the name survives a crash.
-
-    Raises:
-        FileExistsError: ``path`` exists and ``overwrite`` is false.
-        OSError: the directory is missing or not writable, the disk is full...
-    """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), mode)
-    try:
-        try:
-            os.fchmod(fd, mode)  # exactly `mode`, whatever the umask
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        if overwrite:
-            os.replace(tmp, path)
-        else:
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                raise
-            except OSError:
-                # Some file systems have no hard links; fall back to check-then-rename.
-                if path.exists():
-                    raise FileExistsError(f"{path} exists") from None
-                os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def check_private_mode(path: Path | str, st: os.stat_result) -> str | None:
@@ -302,7 +250,7 @@ class NodeIdentity:
                 written; the message names the file.
         """
         try:
-            write_file_atomic(path, self.to_pem(), mode=0o600, overwrite=overwrite)
+            write_atomic(path, self.to_pem(), chmod=0o600, overwrite=overwrite)
         except FileExistsError:
             raise IdentityError(
                 path,

@@ -44,7 +44,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from convergenced.core.validate import NAME_RE
 from convergenced.errors import ConvergencedError
-from convergenced.security.identity import check_private_mode, write_file_atomic
+from convergenced.fsutil import write_atomic
+from convergenced.security.identity import check_private_mode
 
 CA_CERT = "ca.crt"
 CA_KEY = "ca.key"
@@ -332,7 +333,7 @@ def _make_dir(d: Path) -> None:
 
 def _write(path: Path, data: bytes, mode: int, *, overwrite: bool) -> None:
     try:
-        write_file_atomic(path, data, mode=mode, overwrite=overwrite)
+        write_atomic(path, data, chmod=mode, overwrite=overwrite)
     except FileExistsError:
         raise PkiError("already exists", path) from None
     except OSError as exc:
