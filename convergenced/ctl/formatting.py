@@ -1,0 +1,200 @@
+"""The results of `convergencectl` for people: ``status``, ``state``, ``restore-point``,
+the fact commands, one line per ``watch`` event, and the error line on stderr.
+
+Functions from the daemon's result maps (LOCAL_API.md) to text, with no I/O but `_fail`,
+which prints the error line. ``--json`` bypasses all of them. The small helpers
+(`_value`, `_names`, `_fields`, `_skew`) are shared with `convergenced.ctl.top`, which
+shows the same fields in its frames.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+# -- human output --------------------------------------------------------------------------
+
+
+def format_intervals(ranges: Iterable[Iterable[int]] | None) -> str:
+    """``[[1, 5], [7, 7]]`` as ``1-5, 7``; empty as ``none``; nil as ``unknown``."""
+    if ranges is None:
+        return "unknown"
+    parts = [f"{lo}" if lo == hi else f"{lo}-{hi}" for lo, hi in ranges]
+    return ", ".join(parts) or "none"
+
+
+def _value(v: Any, none: str = "none") -> str:
+    return none if v is None else str(v)
+
+
+def _names(items: Iterable[str]) -> str:
+    return ", ".join(items) or "none"
+
+
+def _fields(pairs: Iterable[tuple[str, str]]) -> list[str]:
+    """``label  value`` lines with the values aligned."""
+    pairs = list(pairs)
+    width = max(len(label) for label, _ in pairs)
+    return [f"{label:<{width}}  {value}".rstrip() for label, value in pairs]
+
+
+def _table(rows: list[list[str]], indent: str = "  ") -> list[str]:
+    """Rows as left-aligned columns (the first row is the header)."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        (indent + "  ".join(f"{c:<{w}}" for c, w in zip(row, widths, strict=True))).rstrip()
+        for row in rows
+    ]
+
+
+def format_duration(seconds: float) -> str:
+    """``42.1 s``, ``5 min 3 s``, ``2 h 5 min``, ``3 d 4 h``."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    s = int(seconds)
+    for unit, size, small, small_size in (
+        ("d", 86400, "h", 3600),
+        ("h", 3600, "min", 60),
+        ("min", 60, "s", 1),
+    ):
+        if s >= size:
+            return f"{s // size} {unit} {s % size // small_size} {small}"
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def format_status(st: Mapping[str, Any]) -> str:
+    """The ``status`` result for people."""
+    peers = st.get("peers", [])
+    up = [p["id"] for p in peers if p.get("connected")]
+    down = [p["id"] for p in peers if not p.get("connected")]
+    peer_text = f"{len(up)}/{len(peers)} connected"
+    if up:
+        peer_text += f": {', '.join(up)}"
+    if down:
+        peer_text += f"; not connected: {', '.join(down)}"
+    lines = _fields(
+        [
+            ("node", f"{st['node']} (cluster {st['cluster']})"),
+            ("version", f"convergenced {st['version']}, incarnation {st['incarnation']}"),
+            ("uptime", format_duration(float(st["uptime_s"]))),
+            ("socket", str(st.get("socket", ""))),
+            ("peers", peer_text),
+            ("clients", str(st["clients"])),
+            ("streams", _names(st["streams"])),
+            ("links", "none" if not st["links"] else ""),
+        ]
+    )
+    if st["links"]:
+        rows = [["peer", "address", "role", "state", "sync"]]
+        for link in st["links"]:
+            rows.append(
+                [
+                    _value(link.get("peer"), "?"),
+                    str(link.get("address", "")),
+                    str(link.get("role", "")),
+                    str(link.get("state", "")),
+                    "in sync" if link.get("in_sync") else "not in sync",
+                ]
+            )
+        lines += _table(rows)
+    return "\n".join(lines)
+
+
+def format_state(st: Mapping[str, Any]) -> str:
+    """The ``state`` result for people."""
+    spec = st["spec"]
+    policy = spec["policy"]
+    ranks = sum(len(r) for r in spec["members"].values())
+    skew = _skew(st)
+    conflicts = [f"{m} (spec {digest[:16]})" for m, digest in st.get("conflicts", [])]
+    lines = _fields(
+        [
+            ("stream", st["stream"]),
+            (
+                "spec",
+                f"{policy['mode']} of [{', '.join(policy['domains'])}], retention "
+                f"{spec['retention']}, {len(spec['members'])} members, {ranks} ranks",
+            ),
+            ("restore point", _value(st["restore_point"])),
+            ("proposal", _value(st["proposal"])),
+            ("knowledge", str(st["knowledge"])),
+            ("convergence", format_intervals(st["convergence"])),
+            ("recoverable", format_intervals(st["recoverable"])),
+            ("high water", _value(st.get("high_water"))),
+            ("rollback floor", _value(st.get("rollback_floor"))),
+            ("gc horizon", _value(st["gc_horizon"])),
+            ("safe to delete", format_intervals(st["safe_to_delete"])),
+            ("skew", skew),
+            ("generations", _names(str(g) for g in st.get("generations", []))),
+            ("missing", _names(st["missing"])),
+            ("conflicts", _names(conflicts)),
+            ("newest epochs", ""),
+        ]
+    )
+    return "\n".join(lines + _newest_table(spec, st["newest"]))
+
+
+def _skew(st: Mapping[str, Any]) -> str:
+    """``2 (nvme 2, s3 0)``: the skew, and per domain."""
+    skew = _value(st.get("skew"), "unknown")
+    if st.get("domain_skew"):
+        skew += " (" + ", ".join(f"{d} {s}" for d, s in sorted(st["domain_skew"].items())) + ")"
+    return skew
+
+
+def _newest_table(spec: Mapping[str, Any], newest: Mapping[str, Mapping[str, int]]) -> list[str]:
+    """Per member, per domain, the newest epoch all its ranks hold (``-``: none yet)."""
+    domains = sorted(set(spec["policy"]["domains"]).union(*(d.keys() for d in newest.values())))
+    members = sorted(set(spec["members"]) | set(newest))
+    rows = [["member", *domains]]
+    for m in members:
+        mine = newest.get(m, {})
+        rows.append([m, *(_value(mine.get(d), "-") for d in domains)])
+    return _table(rows)
+
+
+def format_watch_event(st: Mapping[str, Any]) -> str:
+    """One line per ``watch`` event."""
+    line = (
+        f"{time.strftime('%H:%M:%S')} {st['stream']}: restore point "
+        f"{_value(st['restore_point'])} ({st['knowledge']}), proposal {_value(st['proposal'])}, "
+        f"convergence {format_intervals(st['convergence'])}, "
+        f"skew {_value(st.get('skew'), 'unknown')}"
+    )
+    if st["missing"]:
+        line += f", missing {', '.join(st['missing'])}"
+    if st["conflicts"]:
+        line += f", conflicts {', '.join(m for m, _ in st['conflicts'])}"
+    return line
+
+
+def format_restore_point(r: Mapping[str, Any]) -> str:
+    """The ``restore_point`` result for people."""
+    head = f"{r['stream']} generation {r['generation']}: "
+    if not r["resolved"]:
+        return head + f"waiting for {_names(r['waiting_for'])}"
+    if r["restore_point"] is None:
+        text = head + "no restore point (the frozen sets have no common epoch)"
+    else:
+        text = head + f"restore point {r['restore_point']}"
+    if r.get("lost"):
+        text += " (lost since: retracted; open a newer generation)"
+    return text
+
+
+def _format_fact(verb: str) -> Callable[[Mapping[str, Any], argparse.Namespace], str]:
+    def show(r: Mapping[str, Any], args: argparse.Namespace) -> str:
+        durable = " (durable)" if r.get("durable") else ""
+        return f"{verb} {r['stream']} rank {args.rank} {args.domain} epoch {r['epoch']}{durable}"
+
+    return show
+
+
+# -- errors ------------------------------------------------------------------------------
+
+
+def _fail(kind: str, message: str) -> None:
+    print(f"convergencectl: {kind}: {message}", file=sys.stderr, flush=True)
