@@ -259,7 +259,7 @@ def _healthcheck(args: argparse.Namespace) -> int:
 
 
 def _keygen(args: argparse.Namespace) -> int:
-    from convergenced.security.identity import NodeIdentity
+    from convergenced.security.keys import NodeIdentity
 
     try:
         identity = NodeIdentity.generate(args.node_id)

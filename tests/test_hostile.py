@@ -96,7 +96,7 @@ from convergenced.core.messages import Bye, Hello, Message, MessageType, Nudge, 
 from convergenced.core.records import Record
 from convergenced.daemon.config import Limits
 from convergenced.security import pki
-from convergenced.security.identity import NodeIdentity
+from convergenced.security.keys import NodeIdentity
 
 CLUSTER = "local"
 STREAM = "job"

@@ -30,16 +30,16 @@ from convergenced.core.errors import LocalProtocolError
 from convergenced.core.interval_set import IntervalSet
 from convergenced.core.records import Record
 from convergenced.daemon.config import ConfigError
-from convergenced.security import identity, pki, tls
-from convergenced.security.identity import (
-    IdentityError,
-    NodeIdentity,
+from convergenced.security import pki, tls
+from convergenced.security.keys import IdentityError, NodeIdentity, is_weak_public_key
+from convergenced.security.pki import PkiError
+from convergenced.security.tls import PeerIdentityError, TlsConfigError
+from convergenced.security.trust import (
+    DEFAULT_CACHE_SIZE,
     RejectReason,
     TrustList,
     parse_trust_list,
 )
-from convergenced.security.pki import PkiError
-from convergenced.security.tls import PeerIdentityError, TlsConfigError
 
 SPEC = bytes(range(32))
 ROOT = Path(__file__).resolve().parent.parent
@@ -380,7 +380,7 @@ def test_trust_list_parses_from_toml(ids: dict[str, NodeIdentity]) -> None:
     trust = parse_trust_list(tomllib.loads(doc)["trust"], "cluster.toml")
     assert list(trust) == ["node-a", "node-b", "node-c"]
     assert trust.public_key("node-b") == ids["node-b"].public_key_bytes()
-    assert trust.cache_size == identity.DEFAULT_CACHE_SIZE
+    assert trust.cache_size == DEFAULT_CACHE_SIZE
 
 
 @pytest.mark.parametrize(
@@ -416,7 +416,7 @@ def test_trust_table_must_be_a_table() -> None:
 
 
 def test_real_keys_are_not_weak(ids: dict[str, NodeIdentity]) -> None:
-    assert not any(identity.is_weak_public_key(i.public_key_bytes()) for i in ids.values())
+    assert not any(is_weak_public_key(i.public_key_bytes()) for i in ids.values())
 
 
 # -- the cluster CA -------------------------------------------------------------------

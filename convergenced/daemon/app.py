@@ -59,7 +59,8 @@ from convergenced.daemon.service import Service
 from convergenced.daemon.transport import PeerTransport, TransportError
 from convergenced.daemon.wal import Incarnation, WriteAheadLog
 from convergenced.errors import ConvergencedError
-from convergenced.security.identity import NodeIdentity, TrustList
+from convergenced.security.keys import NodeIdentity
+from convergenced.security.trust import TrustList
 
 log = structlog.get_logger("convergenced.daemon")
 

@@ -179,7 +179,7 @@ def write_cluster(
 
 def _secure(directory: Path, nodes: int) -> list[str]:
     """CA, certificates and identities; returns the trust list lines."""
-    from convergenced.security.identity import NodeIdentity
+    from convergenced.security.keys import NodeIdentity
 
     ca_dir = directory / "ca"
     if not (ca_dir / "ca.crt").exists():

@@ -18,7 +18,7 @@ from typing import Any
 
 from convergenced.core.validate import NAME_RE
 from convergenced.errors import ConfigError
-from convergenced.security.identity import parse_trust_list
+from convergenced.security.trust import parse_trust_list
 
 __all__ = ["Config", "ConfigError", "Limits", "Peer", "TlsFiles", "load", "parse"]
 

@@ -4,9 +4,10 @@ Why a package of its own: the daemon, the command line (``keygen``, ``ca init``,
 ``ca issue``, ``cluster``) and offline tools all need the same pieces, so they are
 synchronous and free of trio, and the sans-IO core does not depend on them.
 
-- `identity`: each node's Ed25519 key, record signing over the canonical body
-  (PROTOCOL.md 7.2), and the trust list that verifies relayed records (cached, with
-  rejection counters).
+- `keys`: each node's Ed25519 identity (its key file) and record signing over the
+  canonical body (PROTOCOL.md 7.2), and the check that refuses weak public keys.
+- `trust`: the trust list (node id -> public key) that verifies relayed records
+  (cached, with rejection counters).
 - `pki`: a small cluster CA (ECDSA P-256) that issues node certificates naming the
   node id in a ``convergenced://node/<id>`` URI.
 - `tls`: TLS 1.3 mutual-authentication contexts for peer links and the peer's node
@@ -15,14 +16,7 @@ synchronous and free of trio, and the sans-IO core does not depend on them.
 
 from __future__ import annotations
 
-from convergenced.security.identity import (
-    IdentityError,
-    NodeIdentity,
-    RejectReason,
-    TrustList,
-    VerifyStats,
-    parse_trust_list,
-)
+from convergenced.security.keys import IdentityError, NodeIdentity
 from convergenced.security.pki import PkiError, init_ca, issue, node_id_from_cert
 from convergenced.security.tls import (
     PeerIdentityError,
@@ -32,6 +26,7 @@ from convergenced.security.tls import (
     peer_node_id,
     server_context,
 )
+from convergenced.security.trust import RejectReason, TrustList, VerifyStats, parse_trust_list
 
 __all__ = [
     "IdentityError",

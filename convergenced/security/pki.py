@@ -45,7 +45,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from convergenced.core.validate import NAME_RE
 from convergenced.errors import ConvergencedError
 from convergenced.fsutil import write_atomic
-from convergenced.security.identity import check_private_mode
+from convergenced.security.keys import check_private_mode
 
 CA_CERT = "ca.crt"
 CA_KEY = "ca.key"
