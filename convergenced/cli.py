@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     ca_issue.add_argument("--days", type=int, default=825, help="validity (default 825)")
     ca_issue.add_argument("--force", action="store_true", help="replace existing files")
 
-    from convergenced import demo as demo_mod
+    from convergenced.tools import demo as demo_mod
 
     demo = sub.add_parser("demo", help=demo_mod.HELP, description=demo_mod.DESCRIPTION)
     demo_mod.add_arguments(demo)
@@ -200,7 +200,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _cluster(args: argparse.Namespace) -> int:
-    from convergenced.daemon.cluster import write_cluster
+    from convergenced.tools.cluster import write_cluster
 
     try:
         paths = write_cluster(
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "ca":
         return _ca(args)
     if args.command == "demo":
-        from convergenced import demo as demo_run
+        from convergenced.tools import demo as demo_run
 
         return demo_run.run_demo(args)
     if args.command == "sim":

@@ -20,7 +20,7 @@ from types import TracebackType
 from typing import Any
 
 from convergenced.client import Client, DaemonUnreachable
-from convergenced.daemon.cluster import (
+from convergenced.tools.cluster import (
     free_base_port,
     node_name,
     spawn_daemon,

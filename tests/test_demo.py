@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from convergenced import demo
+from convergenced.tools import demo
 
 
 def test_demo_json_verifies_bit_for_bit() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "convergenced.demo", "--quick", "--json"],
+        [sys.executable, "-m", "convergenced.tools.demo", "--quick", "--json"],
         capture_output=True,
         text=True,
         timeout=180,
