@@ -4,6 +4,10 @@
   on two tiers (a fast local domain and a slower remote one filled by a background
   uploader), restore from the agreed restore point, and garbage collection of exactly
   what the daemon says is safe.
+- `convergenced.integrations.shards`: the shard file those checkpoints are made of
+  (format, verification, where it lives in a tier, assembling one epoch's shards).
+- `convergenced.integrations.errors`: their errors, one hierarchy under
+  `CheckpointError`.
 
 Integrations never import a training framework unless it is used.
 """

@@ -89,20 +89,16 @@ from collections.abc import Callable, Iterable, Mapping
 from types import ModuleType, TracebackType
 from typing import Any, NamedTuple, Protocol, TypedDict, Unpack, cast
 
-from convergenced.integrations.files import (
+from convergenced.integrations.errors import (
     CheckpointError,
-    CheckpointStore,
     CorruptShardError,
-    DaemonClient,
-    Deleted,
     MixedEpochError,
     NoRestorePointError,
     RestorePointLostError,
-    Shard,
     ShardUnavailableError,
-    Tier,
-    load_consistent,
 )
+from convergenced.integrations.files import CheckpointStore, DaemonClient, Deleted, Tier
+from convergenced.integrations.shards import Shard, load_consistent
 
 __all__ = [
     "FORMAT",
