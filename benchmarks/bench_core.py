@@ -317,8 +317,9 @@ def fresh_member_node(spec: StreamSpec, me: str) -> NodeCore:
     for epoch in range(BASE_EPOCH, BASE_EPOCH + 42):
         for rank in spec.ranks_of(me):
             core.apply(Commit(STREAM, rank, "nvme", epoch))
-    core.pending_facts.clear()
-    core.events.clear()
+    core.take_pending_facts()
+    while core.next_event() is not None:
+        pass
     return core
 
 

@@ -165,7 +165,7 @@ class _ScaleSimulation(Simulation):
         super()._durable(nid, fact)
         if self.t_final is not None and self.wall_final is None:
             self.wall_final = time.perf_counter()
-            self.messages_at_final = self.result.messages
+            self.messages_at_final = self.net.messages
             self.records_at_final = self.records_sent()
 
 

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import event as hypothesis_event
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pulled import clear_events, events, pending_facts
 
 from convergenced.core.aggregate import MemberAggregate, Summary
 from convergenced.core.agreement import Knowledge
@@ -81,11 +82,11 @@ def rp(node: NodeCore) -> int | None:
 
 
 def restore_events(node: NodeCore) -> list[RestorePointChanged]:
-    return [e for e in node.events if isinstance(e, RestorePointChanged)]
+    return [e for e in events(node) if isinstance(e, RestorePointChanged)]
 
 
 def high_waters(node: NodeCore) -> list[int]:
-    return [f.epoch for f in node.pending_facts if isinstance(f, HighWater)]
+    return [f.epoch for f in pending_facts(node) if isinstance(f, HighWater)]
 
 
 # -- the member aggregate ------------------------------------------------------------
@@ -374,12 +375,12 @@ class Harness:
     def check(self) -> None:
         for m, node in self.nodes.items():
             status = node.status(STREAM)
-            for event in node.events:
+            for event in events(node):
                 if isinstance(event, RestorePointChanged):
                     self._check_restore_event(event, status.rollback_floor, self.high_water[m])
                 elif isinstance(event, GenerationResolved):
                     self._check_generation(event)
-            node.events.clear()
+            clear_events(node)
             self.high_water[m] = status.high_water
             if status.restore_point is not None:
                 # S1: committed by every member, retired by none.
@@ -481,7 +482,7 @@ def test_losing_the_restore_point_rolls_back_and_reports_it() -> None:
     commit(b, 1, 2, 3, 4, 5)
     sync(a, b)
     assert rp(a) == 5
-    a.events.clear()
+    clear_events(a)
     retract(a, 5)
     assert rp(a) == 4
     assert restore_events(a) == [RestorePointChanged(STREAM, 5, 4, rollback=True)]
@@ -496,7 +497,7 @@ def test_rollback_never_goes_below_the_floor() -> None:
     commit(a, 1, 2, 3, 4, 5)
     commit(b, 1, 2, 3, 4, 5)
     sync(a, b)
-    a.events.clear()
+    clear_events(a)
     retract(a, 4, 5)  # 3 is still everywhere, but below the floor 5 - 1
     status = a.status(STREAM)
     assert status.convergence == IntervalSet.span(1, 3)
@@ -528,7 +529,7 @@ def test_a_conflicting_member_record_keeps_the_restore_point_without_rollback() 
     other = StreamSpec.create(STREAM, {"a": [0], "b": [1]}, Policy.any_of("nvme"))
     b2 = NodeCore("b", 2)
     b2.apply(Declare(other))  # b restarted with a different spec
-    n["a"].events.clear()
+    clear_events(n["a"])
     send(b2, n["a"])
     assert n["a"].status(STREAM).knowledge is Knowledge.INCOMPLETE
     assert rp(n["a"]) == 2
@@ -541,10 +542,10 @@ def test_after_a_loss_a_point_below_the_high_water_mark_is_reported_as_rollback(
     commit(a, *range(1, 6))
     commit(b, *range(1, 6))
     sync(a, b)
-    a.events.clear()
+    clear_events(a)
     retract(a, 3, 4, 5)  # 2 is below the floor 5 - 2: no restore point at all
     assert restore_events(a) == [RestorePointChanged(STREAM, 5, None, rollback=True)]
-    a.events.clear()
+    clear_events(a)
     commit(a, 4)  # 4 is back: at the floor, but below the high-water mark 5
     assert restore_events(a) == [RestorePointChanged(STREAM, None, 4, rollback=True)]
 
@@ -561,7 +562,7 @@ def test_a_restarted_node_resumes_from_its_high_water_mark() -> None:
     assert rp(a) == 5
     log: list[Fact] = [Declare(make_spec())]
     log += [Commit(STREAM, 0, "nvme", e) for e in range(1, 6)]
-    log += a.pending_facts  # the high-water marks a made durable
+    log += pending_facts(a)  # the high-water marks a made durable
     restarted = NodeCore("a", 2)
     restarted.replay(log)
     assert rp(restarted) == 5
@@ -767,7 +768,7 @@ def test_generation_resolves_to_the_newest_epoch_of_the_frozen_intersection() ->
     assert answers["a"] == answers["b"]
     assert answers["a"].resolved
     assert answers["a"].restore_point == 5
-    assert GenerationResolved(STREAM, 1, 5) in a.events
+    assert GenerationResolved(STREAM, 1, 5) in events(a)
 
 
 def test_every_member_returns_the_same_epoch_despite_late_commits() -> None:
@@ -886,8 +887,8 @@ def test_a_member_with_another_spec_surfaces_as_a_conflict() -> None:
     assert status.convergence is None
     assert status.restore_point is None
     assert status.missing == ()
-    events: list[NodeEvent] = [e for e in a.events if isinstance(e, SpecConflictDetected)]
-    assert events == [SpecConflictDetected(STREAM, "b", other.digest)]
+    conflicts: list[NodeEvent] = [e for e in events(a) if isinstance(e, SpecConflictDetected)]
+    assert conflicts == [SpecConflictDetected(STREAM, "b", other.digest)]
 
 
 def test_a_conflict_is_reported_once_and_clears_when_the_member_matches_again() -> None:
@@ -899,7 +900,7 @@ def test_a_conflict_is_reported_once_and_clears_when_the_member_matches_again() 
     send(b, a)
     commit(b, 4)
     send(b, a)
-    assert sum(isinstance(e, SpecConflictDetected) for e in a.events) == 1
+    assert sum(isinstance(e, SpecConflictDetected) for e in events(a)) == 1
     b2 = NodeCore("b", 2)  # b restarts with the right spec
     b2.apply(Declare(make_spec()))
     commit(b2, 1, 2)
@@ -977,9 +978,9 @@ def test_closing_old_generations_survives_a_restart() -> None:
         b.apply(fb)
     a.receive(list(b.view))
     assert a.generation("restart", 2).resolved
-    closes = [f for f in a.pending_facts if isinstance(f, CloseGenerations)]
+    closes = [f for f in pending_facts(a) if isinstance(f, CloseGenerations)]
     assert closes[-1] == CloseGenerations("restart", 2)
-    log.extend(a.pending_facts)
+    log.extend(pending_facts(a))
 
     restarted = NodeCore("a", 2)
     restarted.replay(log)

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pulled import clear_events, clear_facts, events, pending_facts
 
 from convergenced.core.errors import FactError, UnknownStreamError
 from convergenced.core.facts import (
@@ -380,12 +381,12 @@ def _snapshot(node: NodeCore) -> tuple[Any, ...]:
         node.view.seq,
         node.own_record("job"),
         status,
-        list(node.pending_facts),
-        list(node.events),
+        list(pending_facts(node)),
+        list(events(node)),
         copy.deepcopy(node._streams["job"].facts.available),
         copy.deepcopy(node._streams["job"].facts.retired),
-        dict(node._streams["job"].facts.frozen),
-        node._streams["job"].facts.closed_below,
+        dict(node._streams["job"].facts.generations.frozen),
+        node._streams["job"].facts.generations.closed_below,
     )
 
 
@@ -423,8 +424,8 @@ REFUSED: list[Fact] = [
 @pytest.mark.parametrize("fact", REFUSED, ids=repr)
 def test_node_check_and_apply_of_a_refused_fact_change_nothing(fact: Fact) -> None:
     node = _node_with_history()
-    node.events.clear()
-    node.pending_facts.clear()
+    clear_events(node)
+    clear_facts(node)
     before = _snapshot(node)
     with pytest.raises(Exception) as checked:
         node.check(fact)

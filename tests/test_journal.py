@@ -82,9 +82,8 @@ async def test_durable_also_logs_the_cores_own_pending_facts(tmp_path: Path) -> 
     journal, wal, node = _journal(tmp_path)
     node.apply(Declare(StreamSpec.create("solo", {"n": [0]}, Policy.all_of("nvme"))))
     node.apply(Commit("solo", 0, "nvme", 3))
-    assert node.pending_facts  # the restore point rose: a high-water mark to persist
-    await journal.durable()
-    assert not node.pending_facts
+    await journal.durable()  # the restore point rose: a high-water mark to persist
+    assert not node.take_pending_facts()
     wal.close()
     _, entries, _ = WriteAheadLog.open(tmp_path / "facts.wal")
     assert [type(e).__name__ for e in entries] == ["HighWater"]

@@ -948,12 +948,23 @@ def test_any_schedule_ends_in_sync_once_quiet(ops: list[tuple[str, int, int, int
 def test_links_are_announced_and_counted_while_established() -> None:
     node = make_node("a")
     link = opened(Role.INITIATOR, node)
-    assert node.neighbours == {"b": 1}
+    assert node.neighbours == {"b"}
     link.on_timer()  # heartbeat
     [tick] = decode_all(link.data_to_send())
     assert isinstance(tick, Tick) and tick.links == ("b",)
     link.close("bye")
-    assert node.neighbours == {}
+    assert node.neighbours == frozenset()
+
+
+def test_a_reconnect_that_overlaps_its_predecessor_keeps_the_peer_linked() -> None:
+    node = make_node("a")
+    old = opened(Role.INITIATOR, node)
+    new = opened(Role.INITIATOR, node)
+    old.connection_lost()
+    assert node.neighbours == {"b"}  # the new link still stands
+    new.connection_lost()
+    new.connection_lost()  # a second loss of the same link counts once
+    assert node.neighbours == frozenset()
 
 
 def test_records_of_nodes_the_peer_is_linked_to_are_not_relayed() -> None:

@@ -40,7 +40,7 @@ async def _dial(hub: PeerHub, port: int, nursery: trio.Nursery) -> PeerSession:
 
 def _commit(hub: PeerHub, rank: int, epoch: int) -> None:
     hub.node.apply(Commit("job", rank, "nvme", epoch))
-    hub.node.pending_facts.clear()  # no log here: the WAL has its own tests
+    hub.node.take_pending_facts()  # no log here: the WAL has its own tests
     hub.view_changed()
 
 

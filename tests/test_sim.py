@@ -17,6 +17,7 @@ from dataclasses import replace
 import pytest
 
 from convergenced.core.agreement import StreamAgreement
+from convergenced.core.gate import GatedOutput
 from convergenced.core.records import Record
 from convergenced.sim.runner import replay_command, run_seeds
 from convergenced.sim.world import FAULTS, SimConfig, Simulation
@@ -181,3 +182,18 @@ def test_replay_command_names_seed_nodes_and_faults() -> None:
     cmd = replay_command(SimConfig(nodes=5, seed=42, faults=frozenset({"crash", "reset"})))
     assert cmd == "convergenced sim --nodes 5 --seed 42 --faults reset,crash"
     assert "--faults all" in replay_command(SimConfig(seed=1))
+
+
+def test_oracle_catches_bytes_that_leave_before_their_fsync(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Broken gate: every held chunk leaves at once, fsync or not (what the daemon's
+    # peer sessions did when they drained a link after awaiting an earlier fsync).
+    def eager(self: GatedOutput) -> list[bytes]:
+        out = [data for _, data in self._held]
+        self._held.clear()
+        return out
+
+    monkeypatch.setattr(GatedOutput, "release", eager)
+    found = _first_violation(_configs(10, faults=frozenset({"crash"})))
+    assert found == "gate"

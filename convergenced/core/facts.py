@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from convergenced.core.errors import FactError
+from convergenced.core.generations import Generations
 from convergenced.core.interval_set import EMPTY, MAX_EPOCH, IntervalSet
 from convergenced.core.spec import PolicyMode, StreamSpec
 from convergenced.core.validate import NAME_RE
@@ -136,10 +137,8 @@ class StreamFacts:
     node: str
     available: dict[tuple[int, str], IntervalSet] = field(default_factory=dict)
     retired: dict[tuple[int, str], IntervalSet] = field(default_factory=dict)
-    frozen: dict[int, IntervalSet] = field(default_factory=dict)
-    """Open recovery generations this node has frozen."""
-    closed_below: int = 0
-    """Generations below this number are closed (superseded)."""
+    generations: Generations = field(init=False)
+    """Recovery generations: frozen sets, closure, answers (see `generations`)."""
     high_water: int | None = None
     evidence: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Per other member, the newest (incarnation, version) a high-water mark rested on
@@ -153,6 +152,7 @@ class StreamFacts:
     yet seen holding it)."""
 
     def __post_init__(self) -> None:
+        self.generations = Generations(self.spec.name)
         self._ranks = self.spec.ranks_of(self.node)
         self._recompute_all()
 

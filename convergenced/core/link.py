@@ -34,6 +34,7 @@ The table `TRANSITIONS` is the whole state machine; the `Link` class only decide
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -205,7 +206,7 @@ class Link:
         """Frames by (direction, message type): ("sent", "TICK"), ("received", "TOCK")..."""
         self._decoder = FrameDecoder(config.limits)
         self._out = bytearray()
-        self._events: list[LinkEvent] = []
+        self._events: deque[LinkEvent] = deque()
         self._peer_known: dict[RecordKey, tuple[int, int]] = {}
         self._sent_seq = 0
         self._backlog: list[Record] = []
@@ -259,8 +260,7 @@ class Link:
         if self.state is S.CLOSED:
             return
         if not data:
-            self._fire(Ev.DEAD)
-            self._closed("connection closed by peer")
+            self.connection_lost("connection closed by peer")
             return
         self.bytes_received += len(data)
         self._decoder.feed(data)
@@ -304,6 +304,15 @@ class Link:
             self._nudged = True
             self._emit(Nudge())
 
+    def connection_lost(self, reason: str = "connection lost") -> None:
+        """The connection is gone (or its owner stopped driving this link): close
+        without a BYE. Every owner calls this, or `close`, before dropping a link,
+        so the node never keeps counting a link that no longer exists."""
+        if self.state is S.CLOSED:
+            return
+        self._fire(Ev.DEAD)
+        self._closed(reason)
+
     def close(self, reason: str = "shutting down") -> None:
         """Send BYE and close (no-op when already closed)."""
         if self.state is S.CLOSED:
@@ -321,7 +330,7 @@ class Link:
 
     def next_event(self) -> LinkEvent | None:
         """The next event, or None."""
-        return self._events.pop(0) if self._events else None
+        return self._events.popleft() if self._events else None
 
     # -- handlers ---------------------------------------------------------------
 
@@ -392,16 +401,12 @@ class Link:
         self._sent_seq = 0
         self.in_sync = hello.digest == self.node.view.digest
         self._events.append(Established(hello.node, hello.incarnation))
-        n = self.node.neighbours
-        n[hello.node] = n.get(hello.node, 0) + 1
+        self.node.link_up(hello.node)
 
     def _closed(self, reason: str, err: ProtocolError | None = None) -> None:
         self._events.append(Closed(reason, err))
-        if self.peer is not None:  # established: we counted it among the neighbours
-            n = self.node.neighbours
-            n[self.peer] -= 1
-            if n[self.peer] <= 0:
-                del n[self.peer]
+        if self.peer is not None:  # established: the node counted us among its links
+            self.node.link_down(self.peer)
 
     def _note_peer_links(self, links: tuple[str, ...]) -> None:
         # Never skip our own records (the peer is linked to us, of course), and never

@@ -11,22 +11,27 @@ After either, the node re-evaluates the affected streams and, when anything it
 publishes changed, merges a new version of its own record into the view, from
 where the links pick it up.
 
+The API is pull-style, as h11's is: after any call, take the events with
+`next_event` and the core's own facts with `take_pending_facts`; queries
+(`status`, `generation`, `restore_point`, `safe_to_delete`) never change anything.
+
 **Durability contract.** When the restore point rises above the high-water mark,
-the core appends a `HighWater` fact to `pending_facts` (and a `CloseGenerations` fact
-when a resolved generation closes older ones). The caller must make those
-durable before it sends any byte produced after they appeared: other nodes delete
-checkpoints on the strength of that mark, so it must survive a crash (see
-`agreement`). The daemon does it with the same group commit as commits; the
-simulator treats it as instantly durable.
+the core produces a `HighWater` fact (and a `CloseGenerations` fact when a resolved
+generation closes older ones), to be taken with `take_pending_facts`. They must be
+durable before any byte produced after they appeared leaves the node: other nodes
+delete checkpoints on the strength of that mark, so it must survive a crash (see
+`agreement`). `convergenced.core.gate.OutputGate` is the one place that enforces it,
+for the daemon and the simulator alike.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 from convergenced.core.agreement import Decision, Knowledge, StreamAgreement
-from convergenced.core.errors import FactError, SpecConflictError, SpecError, UnknownStreamError
+from convergenced.core.errors import SpecConflictError, SpecError, UnknownStreamError
 from convergenced.core.facts import (
     CloseGenerations,
     Commit,
@@ -39,8 +44,14 @@ from convergenced.core.facts import (
     Retract,
     StreamFacts,
 )
+from convergenced.core.generations import (
+    GenerationAnswer,
+    GenerationClosedError,
+    Generations,
+    resolve,
+)
 from convergenced.core.interval_set import IntervalSet
-from convergenced.core.records import MAX_GENERATIONS, MAX_RANGES, Record, View
+from convergenced.core.records import MAX_RANGES, Record, View
 from convergenced.core.spec import StreamSpec
 
 # -- events -------------------------------------------------------------------
@@ -77,32 +88,16 @@ class GenerationResolved:
 NodeEvent = RestorePointChanged | SpecConflictDetected | GenerationResolved
 
 
-# -- answers ------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationAnswer:
-    """The restore point of a recovery generation, or what it still waits for."""
-
-    generation: int
-    resolved: bool
-    restore_point: int | None
-    """Final once resolved (None: the frozen sets have no common epoch)."""
-    waiting_for: tuple[str, ...]
-    """Members whose frozen set is not known yet."""
-    lost: bool = False
-    """The resolved epoch has since been retracted: open a newer generation."""
-
-
-class GenerationClosedError(FactError):
-    """The generation was superseded by a newer one that is already resolved."""
-
-    def __init__(self, stream: str, generation: int, closed_below: int) -> None:
-        super().__init__(
-            f"stream {stream!r}: generation {generation} is closed "
-            f"(generation {closed_below} or newer is resolved)",
-            reason="generation_closed",
-        )
+__all__ = [
+    "GenerationAnswer",
+    "GenerationClosedError",
+    "GenerationResolved",
+    "NodeCore",
+    "NodeEvent",
+    "RestorePointChanged",
+    "SpecConflictDetected",
+    "StreamStatus",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +129,10 @@ class _Stream:
     facts: StreamFacts
     agreement: StreamAgreement
     decision: Decision | None = None
-    resolved: dict[int, int | None] = field(default_factory=dict)
+
+    @property
+    def generations(self) -> Generations:
+        return self.facts.generations
 
 
 class NodeCore:
@@ -155,24 +153,57 @@ class NodeCore:
             publish. None: records are published unsigned (simulator, insecure mode).
         verify: given a received record and the authenticated peer it came from,
             returns why it must not be merged (a short reason) or None. Rejected
-            records change nothing and are counted in `rejected`. The function does
-            the cryptography; the core stays free of it.
+            records change nothing; the function does the cryptography (and counts
+            the rejection), the core stays free of it.
         """
         self.node_id = node_id
         self.incarnation = incarnation
         self._sign = sign
         self._verify = verify
-        self.rejected: dict[str, int] = {}
-        """Records refused by ``verify``, by reason."""
         self.view = View()
         self._streams: dict[str, _Stream] = {}
         self._version = 0
-        self.pending_facts: list[Fact] = []
-        self.events: list[NodeEvent] = []
-        self.neighbours: dict[str, int] = {}
-        """Established links per peer node, kept by the links themselves (a count:
-        a reconnect may briefly overlap the link it replaces). Peers learn this set
-        from our TICKs and TOCKs and stop relaying those nodes' records to us."""
+        self._pending_facts: list[Fact] = []
+        self._events: deque[NodeEvent] = deque()
+        self._links: dict[str, int] = {}
+
+    # -- pulling output -------------------------------------------------------
+
+    def next_event(self) -> NodeEvent | None:
+        """The next event (restore point moved, spec conflict, generation resolved),
+        or None."""
+        return self._events.popleft() if self._events else None
+
+    def take_pending_facts(self) -> list[Fact]:
+        """The facts the core produced itself since the last call (high-water marks,
+        generation closures): log them before any byte produced after them leaves
+        (see the module docstring)."""
+        out, self._pending_facts = self._pending_facts, []
+        return out
+
+    # -- links ----------------------------------------------------------------
+
+    def link_up(self, peer: str) -> None:
+        """An established link to ``peer`` came up (a `Link` calls this)."""
+        self._links[peer] = self._links.get(peer, 0) + 1
+
+    def link_down(self, peer: str) -> None:
+        """An established link to ``peer`` went down (a `Link` calls this, once)."""
+        n = self._links.get(peer, 0) - 1
+        if n > 0:
+            self._links[peer] = n
+        else:
+            self._links.pop(peer, None)
+
+    @property
+    def neighbours(self) -> frozenset[str]:
+        """Peers with at least one established link.
+
+        Counted per link: a reconnect may briefly overlap the link it replaces. Peers
+        learn this set from our TICKs and TOCKs and stop relaying those nodes'
+        records to us.
+        """
+        return frozenset(self._links)
 
     # -- facts ----------------------------------------------------------------
 
@@ -186,13 +217,20 @@ class NodeCore:
             raise UnknownStreamError(fact.stream)
         if isinstance(fact, Commit | Retract | Retire):
             st.facts.check(fact)
-        elif isinstance(fact, Freeze) and fact.generation < st.facts.closed_below:
-            raise GenerationClosedError(fact.stream, fact.generation, st.facts.closed_below)
+        elif isinstance(fact, Freeze):
+            st.generations.check_freeze(fact.generation)
         elif isinstance(fact, RankState):
             st.facts.check_rank(fact.rank, fact.domain)
 
     def apply(self, fact: Fact) -> None:
-        """Apply a durable fact (checked first) and re-evaluate its stream."""
+        """Apply a fact (checked first) and re-evaluate its stream.
+
+        The caller logs the fact; nothing it reveals may leave before the log made
+        it durable (`convergenced.core.gate`).
+
+        Raises:
+            FactError, SpecError, SpecConflictError: refused; nothing changed.
+        """
         self._refresh(self._apply(fact))
 
     def replay(self, facts: Iterable[Fact]) -> None:
@@ -218,14 +256,9 @@ class NodeCore:
         if isinstance(fact, Commit | Retract | Retire):
             st.facts.apply(fact)
         elif isinstance(fact, Freeze):
-            st.facts.frozen.setdefault(fact.generation, fact.epochs)
-            while len(st.facts.frozen) > MAX_GENERATIONS:
-                # Evicting closes it: re-freezing it later could give another set.
-                evicted = min(st.facts.frozen)
-                del st.facts.frozen[evicted]
-                st.facts.closed_below = max(st.facts.closed_below, evicted + 1)
+            st.generations.freeze(fact.generation, fact.epochs)
         elif isinstance(fact, CloseGenerations):
-            self._close_below(st, fact.below)
+            st.generations.close_below(fact.below)
         elif isinstance(fact, HighWater):
             hw = st.facts.high_water
             if hw is None or fact.epoch >= hw:
@@ -272,9 +305,7 @@ class NodeCore:
             GenerationClosedError: a newer generation is already resolved.
         """
         st = self._stream(stream)
-        if generation < st.facts.closed_below:
-            raise GenerationClosedError(stream, generation, st.facts.closed_below)
-        if generation in st.facts.frozen:
+        if not st.generations.needs_freeze(generation):
             return None
         epochs = st.facts.recoverable.newest_ranges(MAX_RANGES)
         hw = st.facts.high_water
@@ -296,9 +327,9 @@ class NodeCore:
             f = self._streams[name].facts
             out.append(Declare(f.spec))
             out.extend(f.compacted())
-            out.extend(Freeze(name, g, s) for g, s in sorted(f.frozen.items()))
-            if f.closed_below:
-                out.append(CloseGenerations(name, f.closed_below))
+            out.extend(Freeze(name, g, s) for g, s in f.generations.open_sets())
+            if f.generations.closed_below:
+                out.append(CloseGenerations(name, f.generations.closed_below))
             if f.high_water is not None:
                 evidence = tuple((m, i, v) for m, (i, v) in sorted(f.evidence.items()))
                 out.append(HighWater(name, f.high_water, evidence))
@@ -320,11 +351,8 @@ class NodeCore:
         for rec in records:
             if rec.origin == self.node_id and rec.incarnation >= self.incarnation:
                 continue
-            if verify is not None:
-                reason = verify(rec, via)
-                if reason is not None:
-                    self.rejected[reason] = self.rejected.get(reason, 0) + 1
-                    continue
+            if verify is not None and verify(rec, via) is not None:
+                continue
             if self.view.merge(rec):
                 kept.append(rec)
                 if rec.stream in self._streams:
@@ -334,7 +362,7 @@ class NodeCore:
             winners = {r.origin: r for r in by_stream[name]}
             current = [self.view.stream(name)[o] for o in winners]
             for rec in self._streams[name].agreement.observe_many(current):
-                self.events.append(SpecConflictDetected(name, rec.origin, rec.spec_digest))
+                self._events.append(SpecConflictDetected(name, rec.origin, rec.spec_digest))
             self._refresh(name)
         return kept
 
@@ -349,47 +377,52 @@ class NodeCore:
         return self._stream(stream).facts.spec
 
     def generation(self, stream: str, generation: int) -> GenerationAnswer:
-        """The answer for ``generation`` (resolved or waiting); freeze it first."""
+        """The answer for ``generation``: resolved, or whom it still waits for.
+
+        Freeze it first (`freeze_fact`); asking never changes anything (resolution
+        happens as the inputs arrive, see `generations`).
+
+        Raises:
+            UnknownStreamError: the stream is not declared here.
+            GenerationClosedError: the generation is closed and never resolved here.
+        """
         st = self._stream(stream)
-        if generation < st.facts.closed_below and generation not in st.resolved:
-            raise GenerationClosedError(stream, generation, st.facts.closed_below)
-        if generation in st.resolved:
-            rp = st.resolved[generation]
+        gens = st.generations
+        gens.check_answerable(generation)
+        if generation in gens.answers:
+            rp = gens.answers[generation]
             ci = st.decision.convergence if st.decision else None
             lost = rp is not None and ci is not None and rp not in ci
             return GenerationAnswer(generation, True, rp, (), lost)
-        sets: list[IntervalSet] = []
-        waiting: list[str] = []
-        records = self.view.stream(stream)
+        _, _, waiting = resolve(self._frozen_sets(st, generation))
+        return GenerationAnswer(generation, False, None, waiting)
+
+    def _frozen_sets(
+        self, st: _Stream, generation: int
+    ) -> Iterator[tuple[str, IntervalSet | None]]:
+        """Every member's frozen set of ``generation`` as we know it (None: unknown)."""
+        records = self.view.stream(st.facts.spec.name)
+        digest = st.agreement.digest
         for member in st.facts.spec.member_ids:
             if member == self.node_id:
-                s = st.facts.frozen.get(generation)
-            else:
-                rec = records.get(member)
-                ok = rec is not None and rec.spec_digest == st.agreement.digest
-                s = rec.generation(generation) if rec is not None and ok else None
-            if s is None:
-                waiting.append(member)
-            else:
-                sets.append(s)
-        if waiting:
-            return GenerationAnswer(generation, False, None, tuple(waiting))
-        rp = IntervalSet.intersect_all(sets).max()
-        st.resolved[generation] = rp
-        self.events.append(GenerationResolved(stream, generation, rp))
-        # A resolved generation supersedes older ones: they stop protecting epochs.
-        if generation > st.facts.closed_below:
-            self._close_below(st, generation)
-            self.pending_facts.append(CloseGenerations(stream, generation))
-            if st.decision is not None:
-                self._publish(st)
-        return GenerationAnswer(generation, True, rp, ())
+                yield member, st.generations.frozen.get(generation)
+                continue
+            rec = records.get(member)
+            ok = rec is not None and rec.spec_digest == digest
+            yield member, rec.generation(generation) if rec is not None and ok else None
 
-    @staticmethod
-    def _close_below(st: _Stream, below: int) -> None:
-        st.facts.closed_below = max(st.facts.closed_below, below)
-        for g in [g for g in st.facts.frozen if g < below]:
-            del st.facts.frozen[g]
+    def _resolve_ready(self, st: _Stream) -> None:
+        """Resolve our open generations whose last frozen set just became known."""
+        name = st.facts.spec.name
+        for g in st.generations.unresolved():
+            done, rp, _ = resolve(self._frozen_sets(st, g))
+            if not done:
+                continue
+            st.generations.resolve(g, rp)
+            self._events.append(GenerationResolved(name, g, rp))
+            # A resolved generation supersedes older ones: they stop protecting epochs.
+            if st.generations.close_below(g):
+                self._pending_facts.append(CloseGenerations(name, g))
 
     def status(self, stream: str) -> StreamStatus:
         """A consistent snapshot of ``stream`` as this node sees it."""
@@ -432,7 +465,7 @@ class NodeCore:
             conflicts=tuple(sorted((m, dg.hex()) for m, dg in st.agreement.conflicts.items())),
             newest=newest,
             skew=skew,
-            generations=tuple(sorted(st.facts.frozen)),
+            generations=tuple(g for g, _ in st.generations.open_sets()),
         )
 
     def restore_point(self, stream: str) -> int | None:
@@ -450,7 +483,7 @@ class NodeCore:
         horizon = st.agreement.gc_horizon()
         if horizon is None or horizon == 0:
             return IntervalSet()
-        protected = [s for _, s in self._own_generations(st)]
+        protected = [s for _, s in st.generations.open_sets()]
         for origin, rec in self.view.stream(stream).items():
             if origin != self.node_id and origin in st.agreement.members:
                 protected.extend(s for _, s in rec.generations)
@@ -468,10 +501,6 @@ class NodeCore:
         if st is None:
             raise UnknownStreamError(name)
         return st
-
-    @staticmethod
-    def _own_generations(st: _Stream) -> tuple[tuple[int, IntervalSet], ...]:
-        return tuple(sorted(st.facts.frozen.items()))
 
     def _refresh(self, name: str) -> None:
         st = self._streams[name]
@@ -498,21 +527,18 @@ class NodeCore:
                 if m != self.node_id and (r := records.get(m)) is not None
             )
             f.evidence.update((m, (i, v)) for m, i, v in evidence)
-            self.pending_facts.append(HighWater(name, d.high_water, evidence))
+            self._pending_facts.append(HighWater(name, d.high_water, evidence))
         old_rp = prev.restore_point if prev else None
         if d.restore_point != old_rp:
-            self.events.append(RestorePointChanged(name, old_rp, d.restore_point, d.rollback))
+            self._events.append(RestorePointChanged(name, old_rp, d.restore_point, d.rollback))
+        self._resolve_ready(st)
         self._publish(st)
-        # Resolve own open generations whose last frozen set may just have arrived.
-        for g in sorted(f.frozen):
-            if g not in st.resolved:
-                self.generation(name, g)
 
     def _publish(self, st: _Stream) -> None:
         f, d = st.facts, st.decision
         assert d is not None
         newest = tuple(sorted(f.newest_by_domain().items()))
-        gens = self._own_generations(st)
+        gens = st.generations.open_sets()
         # A record carries at most MAX_RANGES ranges, which peers enforce: the oldest
         # go first. Publishing fewer epochs only shrinks the convergence interval,
         # which can delay agreement but never make it wrong (S1).

@@ -184,7 +184,8 @@ class Daemon:
         sign, verify = self._security(cfg)
         node = NodeCore(cfg.node_id, incarnation, sign=sign, verify=verify)
         node.replay(e for e in entries if not isinstance(e, Incarnation))
-        node.events.clear()
+        while node.next_event() is not None:
+            pass  # replay's own events: old news
         self.node = node
         self.journal = Journal(
             wal,
@@ -611,8 +612,7 @@ class Daemon:
         assert self.node is not None and self.hub is not None
         while True:
             await self.hub.wait_changed()
-            events, self.node.events = self.node.events, []
-            for ev in events:
+            for ev in iter(self.node.next_event, None):
                 if isinstance(ev, RestorePointChanged):
                     self.restore_point_since[ev.stream] = time.monotonic()
                     if ev.rollback:

@@ -125,9 +125,8 @@ class Journal:
         return self._appended - self._durable
 
     def _absorb_core_facts(self) -> None:
-        for fact in self.node.pending_facts:
+        for fact in self.node.take_pending_facts():
             self.record(fact)
-        self.node.pending_facts.clear()
 
     async def compact(self, snapshot: Callable[[], Sequence[Entry]]) -> int:
         """Rewrite the log as ``snapshot()`` (atomically); return its size in bytes.

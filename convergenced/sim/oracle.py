@@ -4,6 +4,10 @@ The truth is what really happened to the data, independent of any node's view:
 which (rank, domain, epoch) were acknowledged as durable, which were lost
 (retracted) and which were deleted (retired). The oracle never looks at a view to
 decide whether a node was right.
+
+Besides S1-S5 it checks the output gate against each node's virtual disk: a record
+that leaves its origin reveals only facts that the origin had made durable by then
+(`Truth.check_revealed`, the invariant named ``gate``).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from convergenced.core.interval_set import IntervalSet
+from convergenced.core.records import Record
 from convergenced.core.spec import PolicyMode, StreamSpec
 
 
@@ -119,6 +124,52 @@ class Truth:
             raise InvariantViolation(
                 "S1", f"generation {generation}: {node} answers invalid epoch {rp}"
             )
+
+    def check_revealed(
+        self,
+        node: str,
+        record: Record,
+        high_water: int | None,
+        frozen: dict[int, IntervalSet],
+    ) -> None:
+        """The gate: ``record``, leaving ``node`` now, reveals only durable facts.
+
+        ``high_water`` and ``frozen`` are what ``node``'s disk holds (its highest
+        durable high-water mark, its durable frozen sets); commits count once
+        acknowledged, which is when they are durable. Checked: the high-water mark
+        and restore point, every frozen set, the newest recoverable epoch and the
+        newest epoch per domain the record claims.
+        """
+        for what, epoch in (("high-water mark", record.high_water),
+                            ("restore point", record.restore_point)):  # fmt: skip
+            if epoch is not None and (high_water is None or epoch > high_water):
+                raise InvariantViolation(
+                    "gate",
+                    f"{node} sent its {what} {epoch} before it was durable "
+                    f"(durable high-water mark: {high_water})",
+                )
+        for generation, epochs in record.generations:
+            if frozen.get(generation) != epochs:
+                raise InvariantViolation(
+                    "gate", f"{node} sent its frozen set of generation {generation} before "
+                    "it was durable",
+                )  # fmt: skip
+        ranks = self.spec.ranks_of(node)
+        top = record.recoverable.max()
+        if top is not None and not all(self._holds_durably(r, top) for r in ranks):
+            raise InvariantViolation(
+                "gate", f"{node} sent epoch {top} as recoverable before every rank's "
+                "commits of it were durable",
+            )  # fmt: skip
+        for domain, epoch in record.newest:
+            if not all(epoch in self.ever[(r, domain)] for r in ranks):
+                raise InvariantViolation(
+                    "gate", f"{node} sent {domain}@{epoch} as newest before it was durable"
+                )
+
+    def _holds_durably(self, rank: int, epoch: int) -> bool:
+        hits = [epoch in self.ever[(rank, d)] for d in self.spec.policy.domains]
+        return all(hits) if self.spec.policy.mode is PolicyMode.ALL else any(hits)
 
     def check_retire(
         self,

@@ -1,0 +1,114 @@
+"""Admission: which facts a node accepts from its ranks, and their one path in.
+
+A fact a rank submits (a declaration, commit, retraction, retirement, or the frozen
+set of its first request for a recovery generation) is checked here against the
+daemon's own limits and rules, then applied to the `NodeCore` and given its place
+in the log through the `OutputGate`. The reply it returns may leave only once the
+gate says the fact is durable, like every other byte.
+
+Sans-IO, and shared: the daemon's local API and the simulator's ranks submit
+through the same `Admission`, so the simulator checks the daemon's rules, not a
+copy of them. The rules on top of the core's own checks:
+
+* a declaration may name at most ``max_members`` members, and a node holds at most
+  ``max_streams`` streams (both from the configuration's limits);
+* a retirement records a deletion the daemon allowed: an epoch that is not in
+  ``safe_to_delete`` is refused (deleting anything else is a loss, which a
+  retraction reports, and which may roll the restore point back).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from convergenced.core.api import ApiError, ErrorKind
+from convergenced.core.errors import FactError, SpecConflictError, SpecError
+from convergenced.core.facts import Commit, Declare, Fact, Retire, Retract
+from convergenced.core.gate import OutputGate
+from convergenced.core.node import NodeCore
+
+DEFAULT_MAX_STREAMS = 1024
+DEFAULT_MAX_MEMBERS = 4096
+
+
+def rejected(exc: Exception) -> ApiError:
+    """The `ApiError` for a fact or spec the core refused (nothing changed)."""
+    if isinstance(exc, SpecConflictError):
+        reason = "spec_conflict"
+    elif isinstance(exc, SpecError):
+        reason = "bad_spec"
+    elif isinstance(exc, FactError):
+        reason = exc.reason
+    else:
+        reason = "rejected"
+    return ApiError(ErrorKind.REJECTED, reason, str(exc))
+
+
+class Admission:
+    """Admits facts for one node (see the module docstring)."""
+
+    def __init__(
+        self,
+        node: NodeCore,
+        gate: OutputGate,
+        *,
+        max_streams: int = DEFAULT_MAX_STREAMS,
+        max_members: int = DEFAULT_MAX_MEMBERS,
+    ) -> None:
+        self.node = node
+        self.gate = gate
+        self.max_streams = max_streams
+        self.max_members = max_members
+
+    def submit(self, fact: Fact) -> dict[str, Any]:
+        """Admit, apply and log ``fact``; return the reply for when it is durable.
+
+        Raises:
+            ApiError: ``rejected`` with the reason; nothing changed.
+        """
+        self._admit(fact)
+        try:
+            self.gate.apply(fact)
+        except (FactError, SpecError, SpecConflictError) as exc:
+            raise rejected(exc) from None
+        if isinstance(fact, Declare):
+            return {"stream": fact.spec.name, "digest": fact.spec.digest.hex()}
+        if isinstance(fact, Commit | Retract | Retire):
+            return {"stream": fact.stream, "epoch": fact.epoch, "durable": True}
+        return {"stream": fact.stream, "durable": True}
+
+    def known(self, stream: str) -> None:
+        """Raise ``rejected``/``unknown_stream`` unless ``stream`` is declared here."""
+        try:
+            self.node.spec(stream)
+        except FactError as exc:
+            raise rejected(exc) from None
+
+    def _admit(self, fact: Fact) -> None:
+        if isinstance(fact, Declare):
+            name = fact.spec.name
+            members = len(fact.spec.members)
+            if members > self.max_members:
+                raise ApiError(
+                    ErrorKind.REJECTED,
+                    "too_many_members",
+                    f"stream {name!r}: {members} members above this node's limit of "
+                    f"{self.max_members} (limits.max_members)",
+                )
+            streams = self.node.streams()
+            if name not in streams and len(streams) >= self.max_streams:
+                raise ApiError(
+                    ErrorKind.REJECTED,
+                    "too_many_streams",
+                    f"stream {name!r}: this node already holds {self.max_streams} streams "
+                    "(limits.max_streams)",
+                )
+        elif isinstance(fact, Retire):
+            self.known(fact.stream)
+            if fact.epoch not in self.node.safe_to_delete(fact.stream):
+                raise ApiError(
+                    ErrorKind.REJECTED,
+                    "not_safe_to_delete",
+                    f"stream {fact.stream!r}: epoch {fact.epoch} is not safe to delete yet "
+                    "(see safe_to_delete in state); if its data is already gone, retract it",
+                )

@@ -1,0 +1,214 @@
+"""Recovery generations: the lifecycle of one generation on one node, and its rules.
+
+Everything that affects a generation's state and its transitions lives in this
+module (as the link's do in `link`). A job that restarts after a failure asks its
+daemon for the restore point of a *recovery generation* g, a number its launcher
+chooses. The rules:
+
+1. **Freeze.** At this node's first request for g, its recoverable set is *frozen*
+   for g: cut to the newest `MAX_RANGES` ranges and at the rollback floor
+   (``high_water - retention``), so no member can have deleted any epoch in it (see
+   `agreement`). The frozen set is a fact: it is made durable before anything that
+   reveals it leaves the node, and it is published in our record.
+2. **Resolve.** g is resolved once the frozen set of every member is known (ours,
+   and each other member's from a record with our spec digest). Its answer is the
+   newest epoch of the intersection of all frozen sets, or None when they share no
+   epoch. Every member computes it from the same inputs, so every member returns
+   the same answer (S2), however late its uploads keep committing; a member that
+   lacks one frozen set waits, it never guesses.
+3. **Answers are final.** A resolved answer never changes. If its epoch is later
+   lost (a retraction takes it out of the convergence interval), the answer says
+   ``lost`` and the job opens a newer generation.
+4. **Close.** A resolved generation supersedes every older one: they are closed, and
+   their frozen sets stop protecting epochs from garbage collection (S4 only needs
+   the sets of open generations). Closing is persisted (`CloseGenerations`), so a
+   late request for a closed generation is refused at once instead of waiting
+   forever on frozen sets its peers already dropped. A node keeps at most
+   `MAX_GENERATIONS` open; freezing one more closes the oldest.
+5. A closed generation that this process resolved still answers (rule 3); one that
+   never resolved here is refused with `GenerationClosedError`.
+
+The table `TRANSITIONS` is the whole state machine; `Generations` holds the frozen
+sets and answers of one stream and fires the transitions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+
+from convergenced.core.errors import FactError
+from convergenced.core.interval_set import IntervalSet
+from convergenced.core.records import MAX_GENERATIONS
+
+
+class GenerationState(Enum):
+    """Where one recovery generation stands on this node."""
+
+    UNKNOWN = "unknown"
+    """Never requested here, and not closed."""
+    FROZEN = "frozen"
+    """Our frozen set is durable and published; some member's set is still unknown."""
+    RESOLVED = "resolved"
+    """Every member's frozen set is known: the answer is final."""
+    CLOSED = "closed"
+    """Superseded by a newer resolved generation (or evicted): protects nothing."""
+
+
+class GenEv(Enum):
+    """Events of the lifecycle."""
+
+    FREEZE = "freeze"
+    RESOLVE = "resolve"
+    CLOSE = "close"
+
+
+G = GenerationState
+TRANSITIONS: dict[GenerationState, dict[GenEv, GenerationState]] = {
+    G.UNKNOWN: {GenEv.FREEZE: G.FROZEN, GenEv.CLOSE: G.CLOSED},
+    G.FROZEN: {GenEv.RESOLVE: G.RESOLVED, GenEv.CLOSE: G.CLOSED},
+    G.RESOLVED: {GenEv.CLOSE: G.CLOSED},
+    G.CLOSED: {},
+}
+"""``TRANSITIONS[state][event] -> next state``; anything absent is illegal."""
+
+
+class GenerationClosedError(FactError):
+    """The generation was superseded by a newer one that is already resolved."""
+
+    def __init__(self, stream: str, generation: int, closed_below: int) -> None:
+        super().__init__(
+            f"stream {stream!r}: generation {generation} is closed "
+            f"(generation {closed_below} or newer is resolved)",
+            reason="generation_closed",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationAnswer:
+    """The restore point of a recovery generation, or what it still waits for."""
+
+    generation: int
+    resolved: bool
+    restore_point: int | None
+    """Final once resolved (None: the frozen sets have no common epoch)."""
+    waiting_for: tuple[str, ...]
+    """Members whose frozen set is not known yet."""
+    lost: bool = False
+    """The resolved epoch has since been retracted: open a newer generation."""
+
+
+def resolve(
+    member_sets: Iterable[tuple[str, IntervalSet | None]],
+) -> tuple[bool, int | None, tuple[str, ...]]:
+    """Rule 2 over every member's frozen set (None: not known yet).
+
+    Returns (resolved, answer, members still waited for).
+    """
+    known: list[IntervalSet] = []
+    waiting: list[str] = []
+    for member, frozen in member_sets:
+        if frozen is None:
+            waiting.append(member)
+        else:
+            known.append(frozen)
+    if waiting:
+        return False, None, tuple(waiting)
+    return True, IntervalSet.intersect_all(known).max(), ()
+
+
+@dataclass(slots=True)
+class Generations:
+    """The recovery generations of one stream on this node."""
+
+    stream: str
+    frozen: dict[int, IntervalSet] = field(default_factory=dict)
+    """Frozen sets of the open generations (FROZEN or RESOLVED): durable facts."""
+    closed_below: int = 0
+    """Every generation below this is CLOSED (a durable fact)."""
+    answers: dict[int, int | None] = field(default_factory=dict)
+    """Answers of the generations resolved by this process (kept after closing)."""
+
+    def state(self, generation: int) -> GenerationState:
+        """The state of ``generation`` (see `GenerationState`)."""
+        if generation < self.closed_below:
+            return G.CLOSED
+        if generation in self.answers:
+            return G.RESOLVED
+        if generation in self.frozen:
+            return G.FROZEN
+        return G.UNKNOWN
+
+    def _fire(self, generation: int, event: GenEv) -> GenerationState:
+        state = self.state(generation)
+        nxt = TRANSITIONS[state].get(event)
+        if nxt is None:
+            if state is G.CLOSED:
+                raise GenerationClosedError(self.stream, generation, self.closed_below)
+            raise AssertionError(f"generation {generation}: {event.value} in state {state.value}")
+        return nxt
+
+    # -- checks (never change anything) -----------------------------------------
+
+    def check_answerable(self, generation: int) -> None:
+        """Raise `GenerationClosedError` unless a request for ``generation`` can be
+        answered (rule 5: a closed generation answers only if it resolved here)."""
+        if self.state(generation) is G.CLOSED and generation not in self.answers:
+            raise GenerationClosedError(self.stream, generation, self.closed_below)
+
+    def check_freeze(self, generation: int) -> None:
+        """Raise `GenerationClosedError` if ``generation`` may no longer be frozen."""
+        if self.state(generation) is G.CLOSED:
+            raise GenerationClosedError(self.stream, generation, self.closed_below)
+
+    def needs_freeze(self, generation: int) -> bool:
+        """Whether a request for ``generation`` must freeze our set first (rule 1).
+
+        Raises:
+            GenerationClosedError: the generation is closed.
+        """
+        self.check_freeze(generation)
+        return self.state(generation) is G.UNKNOWN
+
+    # -- transitions ----------------------------------------------------------------
+
+    def freeze(self, generation: int, epochs: IntervalSet) -> None:
+        """Take our (durable) frozen set of ``generation``; a repeat is ignored.
+
+        Raises:
+            GenerationClosedError: the generation is closed.
+        """
+        if not self.needs_freeze(generation):
+            return  # frozen already: the first set stays
+        self._fire(generation, GenEv.FREEZE)
+        self.frozen[generation] = epochs
+        while len(self.frozen) > MAX_GENERATIONS:
+            # Evicting closes it: re-freezing it later could give another set.
+            self.close_below(min(self.frozen) + 1)
+
+    def resolve(self, generation: int, answer: int | None) -> None:
+        """Record the final answer of a FROZEN generation (rule 2)."""
+        self._fire(generation, GenEv.RESOLVE)
+        self.answers[generation] = answer
+
+    def close_below(self, below: int) -> bool:
+        """Close every generation below ``below`` (rule 4); return whether any changed."""
+        if below <= self.closed_below:
+            return False
+        for g in [g for g in self.frozen if g < below]:
+            self._fire(g, GenEv.CLOSE)
+            del self.frozen[g]
+        self.closed_below = below
+        return True
+
+    # -- queries ----------------------------------------------------------------------
+
+    def unresolved(self) -> list[int]:
+        """Open generations still waiting for some member's frozen set."""
+        return sorted(g for g in self.frozen if g not in self.answers)
+
+    def open_sets(self) -> tuple[tuple[int, IntervalSet], ...]:
+        """(generation, frozen set) of every open generation, oldest first: what our
+        record publishes and what protects epochs from garbage collection."""
+        return tuple(sorted(self.frozen.items()))
