@@ -177,8 +177,8 @@ def _run(args: argparse.Namespace) -> int:
 
     from convergenced.daemon import config as config_mod
     from convergenced.daemon import logs
-    from convergenced.daemon.app import Daemon, StartupError
-    from convergenced.daemon.wal import WalCorruptError
+    from convergenced.daemon.durability.log_file import WalCorruptError
+    from convergenced.daemon.main import Daemon, StartupError
 
     try:
         cfg = config_mod.load(args.config)

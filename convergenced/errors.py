@@ -26,3 +26,7 @@ class ConfigError(ConvergencedError):
         super().__init__(f"{where}: {problem}")
         self.path = str(path)
         self.key = key
+
+
+class StartupError(ConvergencedError):
+    """The daemon cannot start: state directory in use, port taken, bad key files..."""

@@ -1,7 +1,7 @@
 """Log compaction: `NodeCore.compacted_facts` rebuilds the same local state as the
 full log, refuses the same facts afterwards, and survives a round trip through the
-write-ahead log. (The simulator also compacts on every other crash, so the S1-S5
-oracle checks compaction under faults; see `sim.world._crash`.)"""
+write-ahead log. (The simulator also compacts every eighth write of each node's log,
+so the S1-S5 oracle checks compaction under faults; see `sim.node`.)"""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from convergenced.core.facts import Commit, Declare, Fact, Freeze, RankState, Re
 from convergenced.core.interval_set import IntervalSet
 from convergenced.core.node import NodeCore
 from convergenced.core.spec import Policy, StreamSpec
-from convergenced.daemon.wal import Incarnation, WriteAheadLog
+from convergenced.daemon.durability.entries import Incarnation
+from convergenced.daemon.durability.log_file import FactLog
 
 SOLO = StreamSpec.create("solo", {"n": [0, 1]}, Policy.all_of("nvme", "s3"), retention=1)
 ANY = StreamSpec.create("any", {"n": [0], "m": [1]}, Policy.any_of("nvme", "s3"))
@@ -116,7 +117,7 @@ def test_compaction_is_bounded_by_ranks_and_domains_not_by_epochs() -> None:
 
 
 def test_rank_state_round_trips_through_the_log(tmp_path: Path) -> None:
-    wal, _, _ = WriteAheadLog.open(tmp_path / "facts.wal")
+    wal, _, _ = FactLog.open(tmp_path / "facts.wal")
     entries = [
         Incarnation(3),
         Declare(SOLO),
@@ -124,10 +125,10 @@ def test_rank_state_round_trips_through_the_log(tmp_path: Path) -> None:
     ]
     for e in entries:
         wal.append(e)
-    wal.sync()
-    wal.compact(entries[:2])
+    wal.write_durably(wal.take_pending())
+    wal.replace_durably(entries[:2])
     wal.append(entries[2])
-    wal.sync()
+    wal.write_durably(wal.take_pending())
     wal.close()
-    _, back, report = WriteAheadLog.open(tmp_path / "facts.wal")
+    _, back, report = FactLog.open(tmp_path / "facts.wal")
     assert back == entries and report.torn_tail_bytes == 0

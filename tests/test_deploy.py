@@ -49,6 +49,7 @@ import yaml
 
 from convergenced import cli
 from convergenced.daemon import config
+from convergenced.daemon import metrics as metrics_catalog
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
@@ -71,34 +72,11 @@ IMAGE_UID = 10001
 """The Dockerfile's user and group id, which the manifests and their configs use."""
 
 METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "convergenced_build_info": ("gauge", ("version",)),
-    "convergenced_restore_point_epoch": ("gauge", ("stream",)),
-    "convergenced_proposal_epoch": ("gauge", ("stream",)),
-    "convergenced_convergence_low_epoch": ("gauge", ("stream",)),
-    "convergenced_convergence_high_epoch": ("gauge", ("stream",)),
-    "convergenced_epoch_skew": ("gauge", ("stream",)),
-    "convergenced_domain_divergence": ("gauge", ("stream", "domain")),
-    "convergenced_restore_point_age_seconds": ("gauge", ("stream",)),
-    "convergenced_rpo_epochs": ("gauge", ("stream",)),
-    "convergenced_knowledge_level": ("gauge", ("stream",)),
-    "convergenced_rollbacks_total": ("counter", ("stream",)),
-    "convergenced_retractions_total": ("counter", ("stream",)),
-    "convergenced_commits_total": ("counter", ("domain", "outcome")),
-    "convergenced_recovery_seconds": ("gauge", ("stream",)),
-    "convergenced_peer_up": ("gauge", ("peer",)),
-    "convergenced_peer_exchange_rtt_seconds": ("histogram", ("peer",)),
-    "convergenced_peer_reconnects_total": ("counter", ("peer",)),
-    "convergenced_peer_frames_total": ("counter", ("peer", "type", "direction")),
-    "convergenced_peer_bytes_total": ("counter", ("peer", "direction")),
-    "convergenced_frames_rejected_total": ("counter", ("reason",)),
-    "convergenced_records_rejected_total": ("counter", ("reason",)),
-    "convergenced_api_errors_total": ("counter", ("reason",)),
-    "convergenced_wal_fsync_duration_seconds": ("histogram", ()),
-    "convergenced_wal_bytes": ("gauge", ()),
-    "convergenced_local_clients": ("gauge", ()),
+    m.exported: (m.kind, m.labels) for m in metrics_catalog.CATALOG
 }
-"""The documented metrics, the source of truth for alerts and dashboard: name -> (type,
-labels). `test_metrics_list_is_what_the_daemon_exports` holds the daemon to it."""
+"""The documented metrics (the daemon's catalog), the source of truth for alerts and
+dashboard: name -> (type, labels). `test_the_daemon_exports_exactly_the_catalog`
+holds the daemon to it, `test_the_docs_table_is_the_catalog` the docs."""
 
 _HISTOGRAM_SERIES = ("_bucket", "_sum", "_count")
 _METRIC_RE = re.compile(r"\bconvergenced_[a-z0-9_]+")
@@ -908,18 +886,60 @@ def test_alerts_and_dashboard_use_documented_metrics() -> None:
         assert words - {n for n in words if metric_of(n)} <= {"up"}, rule["alert"]
 
 
-def test_metrics_list_is_what_the_daemon_exports() -> None:
-    """`METRICS` against the implementation: the event metrics from a fresh registry
-    (with their types), the state metrics by their names in the collector's source."""
-    from convergenced.daemon import metrics
+class _StateOfOneStream:
+    """A `StateSource` with a value for every state metric."""
 
-    registry = metrics.Metrics().registry
+    def streams(self) -> list[str]:
+        return ["job"]
+
+    def stream_state(self, stream: str) -> dict[str, Any]:
+        return {
+            "restore_point": 5,
+            "proposal": 6,
+            "convergence": [[1, 6]],
+            "skew": 1,
+            "domain_skew": {"nvme": 1},
+            "knowledge": "published",
+            "newest": {"a": {"nvme": 7}},
+        }
+
+    def node_id(self) -> str:
+        return "a"
+
+    def peer_links(self) -> list[tuple[str, bool]]:
+        return [("b", True)]
+
+    def wal_bytes(self) -> int | None:
+        return 100
+
+    def local_clients(self) -> int:
+        return 2
+
+    def restore_point_age(self, stream: str) -> float | None:
+        return 3.0
+
+
+def test_the_daemon_exports_exactly_the_catalog() -> None:
+    """The event metrics of a fresh `Telemetry` and the state metrics of a source that
+    has a value for each: names and types, and the labels of every state metric."""
+    from convergenced.daemon.telemetry import Telemetry
+
+    telemetry = Telemetry()
+    telemetry.watch(_StateOfOneStream())
     exported: dict[str, str] = {}
-    for family in registry.collect():
-        suffix = "_total" if family.type == "counter" else ""
-        exported[family.name + suffix] = family.type
-    source = Path(metrics.__file__).read_text(encoding="utf-8")
-    for name in set(re.findall(r'"(convergenced_[a-z0-9_]+)"', source)):
-        if name not in exported and f"{name}_total" not in exported:
-            exported[name] = "gauge"  # DaemonCollector makes gauges only
+    for family in telemetry.registry.collect():
+        name = family.name + ("_total" if family.type == "counter" else "")
+        exported[name] = family.type
+        for sample in family.samples:
+            if family.type == "gauge":
+                assert tuple(sample.labels) == METRICS[name][1], name
     assert exported == {name: kind for name, (kind, _) in METRICS.items()}
+
+
+def test_the_docs_table_is_the_catalog() -> None:
+    text = (REPO / "docs" / "operations.md").read_text(encoding="utf-8")
+    table = metrics_catalog.markdown_table()
+    assert metrics_catalog.splice_table(text, table) == text, (
+        "docs/operations.md's metrics table is not the catalog's; regenerate it with "
+        "python -m convergenced.daemon.metrics --write docs/operations.md"
+    )

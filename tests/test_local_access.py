@@ -41,11 +41,15 @@ import trio
 from daemons import LocalCluster
 
 from convergenced.client import Client
-from convergenced.daemon import peercred
+from convergenced.core.gate import OutputGate
+from convergenced.core.node import NodeCore
 from convergenced.daemon.config import Limits
-from convergenced.daemon.local_api import LocalApiServer, open_unix_listener
-from convergenced.daemon.peercred import PeerCredentials, PeerCredentialsError, allowed
-from convergenced.daemon.service import Service
+from convergenced.daemon.localapi import peercred
+from convergenced.daemon.localapi.operations import LocalOperations
+from convergenced.daemon.localapi.peercred import PeerCredentials, PeerCredentialsError, allowed
+from convergenced.daemon.localapi.server import LocalApiServer
+from convergenced.daemon.localapi.unix_socket import open_unix_listener
+from convergenced.daemon.telemetry import Telemetry
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux") or os.geteuid() != 0,
@@ -344,10 +348,10 @@ async def test_stale_socket_is_replaced_but_a_live_one_is_not(tmp_path: Path) ->
 # -- real clients of other users, in-process server -----------------------------------
 
 
-class StubService:
-    """Just enough of `Service` for ``status``."""
+class StubOperations:
+    """Just enough of `LocalOperations` for ``status``."""
 
-    async def status(self) -> dict[str, Any]:
+    def status(self) -> dict[str, Any]:
         return {"node": "stub"}
 
 
@@ -364,11 +368,18 @@ async def serve_and_run(
     listener = await open_unix_listener(path)
     os.chmod(path.parent, 0o755)  # let the other users reach the socket: the test is
     os.chmod(path, 0o666)  # about the credential check, not the file modes
-    reasons: list[str] = []
+    gate = OutputGate(NodeCore("stub", 1))
+    telemetry = Telemetry()
+
+    async def durable(position: int) -> None:
+        gate.synced(gate.take_unlogged()[1])
+
     server = LocalApiServer(
-        cast(Service, StubService()),
+        cast(LocalOperations, StubOperations()),
+        gate,
+        durable,
         Limits(),
-        on_reject=reasons.append,
+        telemetry,
         allowed_uids=allowed_uids,
         allowed_gids=allowed_gids,
     )
@@ -382,6 +393,8 @@ async def serve_and_run(
                 )
                 outputs.append(json.loads(done.stdout))
         nursery.cancel_scope.cancel()
+    errors = telemetry.counters()
+    reasons = [k.removeprefix("api_errors_") for k in errors for _ in range(errors[k])]
     return outputs, reasons
 
 

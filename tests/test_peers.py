@@ -3,15 +3,19 @@ a peer going away, and a protocol violation closes only that link."""
 
 from __future__ import annotations
 
+import random
 from functools import partial
 
 import trio
 
 from convergenced.core.facts import Commit, Declare
+from convergenced.core.gate import OutputGate
 from convergenced.core.link import LinkConfig, Role
 from convergenced.core.node import NodeCore
 from convergenced.core.spec import Policy, StreamSpec
-from convergenced.daemon.peers import PeerHub, PeerSession
+from convergenced.daemon.peers.dialer import Backoff
+from convergenced.daemon.peers.session import PeerHub, PeerSession
+from convergenced.daemon.telemetry import Telemetry
 
 SPEC = StreamSpec.create("job", {"a": [0], "b": [1], "c": [2]}, Policy.all_of("nvme"))
 TICK = 0.02
@@ -19,8 +23,14 @@ TICK = 0.02
 
 def _hub(name: str, spec: StreamSpec = SPEC) -> PeerHub:
     node = NodeCore(name, 1)
-    node.apply(Declare(spec))
-    return PeerHub(node, LinkConfig(cluster="test", dead_ticks=50), tick_seconds=TICK)
+    gate = OutputGate(node)
+    gate.apply(Declare(spec))
+
+    async def durable(position: int) -> None:  # no log here: the log has its own tests
+        gate.synced(gate.take_unlogged()[1])
+
+    config = LinkConfig(cluster="test", dead_ticks=50)
+    return PeerHub(node, gate, durable, config, Telemetry(), tick_seconds=TICK)
 
 
 async def _serve(hub: PeerHub, nursery: trio.Nursery) -> int:
@@ -39,8 +49,7 @@ async def _dial(hub: PeerHub, port: int, nursery: trio.Nursery) -> PeerSession:
 
 
 def _commit(hub: PeerHub, rank: int, epoch: int) -> None:
-    hub.node.apply(Commit("job", rank, "nvme", epoch))
-    hub.node.take_pending_facts()  # no log here: the WAL has its own tests
+    hub.gate.apply(Commit("job", rank, "nvme", epoch))
     hub.view_changed()
 
 
@@ -110,3 +119,13 @@ async def test_a_closed_peer_ends_the_session_with_a_reason() -> None:
             await _until(lambda: session.closed_reason is not None)
             assert "maintenance" in (session.closed_reason or "")
             nursery.cancel_scope.cancel()
+
+
+def test_backoff_grows_with_jitter_caps_and_resets() -> None:
+    b = Backoff(initial=0.1, maximum=1.0, rng=random.Random(1))
+    waits = [b.next() for _ in range(8)]
+    steps = [min(1.0, 0.1 * 2**i) for i in range(8)]
+    assert all(s / 2 <= w <= s for w, s in zip(waits, steps, strict=True))
+    assert max(waits[5:]) <= 1.0
+    b.reset()
+    assert b.next() <= 0.1

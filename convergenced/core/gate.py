@@ -126,6 +126,13 @@ class GatedOutput:
             n += 1
         return n
 
+    def discard(self) -> list[bytes]:
+        """Take every held chunk, durable or not: they will never be sent (the log
+        failed, or the connection is gone)."""
+        out = [data for _, data in self._held]
+        self._held.clear()
+        return out
+
     def release(self) -> list[bytes]:
         """Take the chunks that may leave now, in order."""
         durable = self._gate.durable

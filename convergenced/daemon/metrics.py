@@ -1,224 +1,241 @@
-"""Prometheus metrics: one registry per daemon.
+"""Every Prometheus metric the daemon exports, in one catalog, and the state collector.
+
+`CATALOG` is the one list of metrics: their names, types, labels and meaning. The
+event metrics (`Telemetry`) are created from it, the state metrics (`StateCollector`)
+are emitted under its names and help texts, and the table in docs/operations.md is
+generated from it (``python -m convergenced.daemon.metrics --write
+docs/operations.md``); tests hold the exported metrics, and the docs, to it.
 
 Two kinds of metric, for two reasons:
 
-* **Event metrics** (counters, histograms) are updated where the event happens:
-  commits by domain and outcome, rejections by reason, fsync durations, exchange
-  round trips, reconnects, rollbacks. They are cheap increments on paths that already
-  do much more work.
-* **State metrics** (restore point, skew, divergence, ages, link state, bytes) are read
-  from the daemon when Prometheus scrapes, by `DaemonCollector`: nothing is kept up to
-  date on the hot path, and a scrape always shows the state as it is.
+* **event metrics** (counters, histograms) are incremented where the event happens,
+  by `Telemetry`: cheap increments on paths that already do much more work;
+* **state metrics** (restore point, skew, divergence, ages, links, bytes) are read
+  when Prometheus scrapes, by `StateCollector`, through the narrow `StateSource`
+  interface: nothing is kept up to date on the hot path, and a scrape shows the
+  state as it is.
 
-Names carry the ``convergenced_`` prefix and base units; labels are bounded
-(stream, domain, peer, reason, type, direction: all from configuration or fixed
-sets; never an epoch). The full list is in the README's metrics table.
+Names carry the ``convergenced_`` prefix and base units; labels are bounded (stream,
+domain, peer, reason, type, direction, outcome: from the configuration, declared
+streams or fixed sets; never an epoch).
 """
 
 from __future__ import annotations
 
-import time
+import argparse
+import sys
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from convergenced import __version__
-from convergenced.core import api
 
-if TYPE_CHECKING:  # the collector reads the daemon; the daemon owns the metrics
-    from convergenced.daemon.app import Daemon
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    """One exported metric."""
 
-RTT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
-FSYNC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0)
+    name: str
+    """Without the ``_total`` suffix Prometheus adds to counters."""
+    kind: str
+    """``counter``, ``gauge`` or ``histogram``."""
+    labels: tuple[str, ...]
+    help: str
+
+    @property
+    def exported(self) -> str:
+        """The name as it appears on /metrics (counters get ``_total``)."""
+        return self.name + "_total" if self.kind == "counter" else self.name
+
+
+def _m(name: str, kind: str, labels: tuple[str, ...], text: str) -> MetricSpec:
+    return MetricSpec("convergenced_" + name, kind, labels, text)
+
+
+S, D, P, R = ("stream",), ("domain",), ("peer",), ("reason",)
+CATALOG: tuple[MetricSpec, ...] = (
+    _m("build_info", "gauge", ("version",), "1, with the version"),
+    # -- state of each stream (read at scrape time)
+    _m("restore_point_epoch", "gauge", S, "the agreed restore point"),
+    _m("proposal_epoch", "gauge", S, "this node's proposal"),
+    _m("convergence_low_epoch", "gauge", S, "oldest epoch of the convergence interval"),
+    _m("convergence_high_epoch", "gauge", S, "newest epoch of the convergence interval"),
+    _m("epoch_skew", "gauge", S, "max - min over members of their newest recoverable epoch: "
+       "the one to watch"),
+    _m("domain_divergence", "gauge", ("stream", "domain"),
+       "max - min over members of their newest epoch in one domain"),
+    _m("restore_point_age_seconds", "gauge", S, "time since the restore point last moved"),
+    _m("rpo_epochs", "gauge", S, "epochs between this node's newest commit and the restore "
+       "point (RPO in epochs)"),
+    _m("knowledge_level", "gauge", S, "how far agreement got: 0 incomplete, 1 interval, "
+       "2 proposed, 3 published"),
+    # -- events of each stream
+    _m("recovery_seconds", "gauge", S, "last recovery generation, first request to agreed "
+       "answer (RTO as this daemon sees it)"),
+    _m("commits", "counter", ("domain", "outcome"), "commits accepted (durable and "
+       "acknowledged) or rejected (refused, nothing changed); the ratio is the commit "
+       "success ratio per domain"),
+    _m("facts", "counter", ("type",), "facts submitted by local clients and applied, by type"),
+    _m("rollbacks", "counter", S, "backward moves of the restore point (after losses)"),
+    _m("retractions", "counter", S, "epochs reported lost or corrupt"),
+    _m("spec_conflicts", "counter", S, "members seen publishing a different spec for the stream"),
+    # -- peers
+    _m("peer_up", "gauge", P, "1 while an established link to the peer is up"),
+    _m("peer_exchange_rtt_seconds", "histogram", P,
+       "round trip of TICK/TOCK exchanges this node started"),
+    _m("peer_reconnects", "counter", P, "links re-established after a loss"),
+    _m("peer_frames", "counter", ("peer", "type", "direction"),
+       "frames by message type, sent and received"),
+    _m("peer_bytes", "counter", ("peer", "direction"), "protocol bytes, sent and received"),
+    _m("frames_rejected", "counter", R,
+       "peer connections refused or closed for a protocol violation"),
+    _m("records_rejected", "counter", R, "records dropped before merging (`unknown_origin`, "
+       "`unsigned`, `bad_signature`)"),
+    # -- the local API and the log
+    _m("api_errors", "counter", R, "local API error replies"),
+    _m("local_clients", "gauge", (), "connected local clients"),
+    _m("wal_fsync_duration_seconds", "histogram", (), "write plus fsync of one group commit"),
+    _m("wal_entries", "counter", (), "entries made durable in the write-ahead log"),
+    _m("wal_compactions", "counter", (), "rewrites of the write-ahead log from the live state"),
+    _m("wal_bytes", "gauge", (), "size of the write-ahead log"),
+)  # fmt: skip
+"""Every metric the daemon exports."""
+
+BY_NAME = {m.name: m for m in CATALOG}
 KNOWLEDGE = {"incomplete": 0, "interval": 1, "proposed": 2, "published": 3}
 
 
-class Metrics:
-    """The daemon's registry and its event metrics."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        info = Gauge(
-            "convergenced_build_info", "Build information (value 1).", ["version"], registry=r
-        )
-        info.labels(version=__version__).set(1)
-        self.commits = Counter(
-            "convergenced_commits",
-            "Commits received, by domain and outcome "
-            "(accepted: durable and acknowledged; rejected: refused, nothing changed).",
-            ["domain", "outcome"],
-            registry=r,
-        )
-        self.retractions = Counter(
-            "convergenced_retractions",
-            "Epochs reported lost or corrupt (retract).",
-            ["stream"],
-            registry=r,
-        )
-        self.rollbacks = Counter(
-            "convergenced_rollbacks",
-            "Times the restore point moved backwards (after a loss).",
-            ["stream"],
-            registry=r,
-        )
-        self.api_errors = Counter(
-            "convergenced_api_errors",
-            "Local API error replies, by reason.",
-            ["reason"],
-            registry=r,
-        )
-        self.frames_rejected = Counter(
-            "convergenced_frames_rejected",
-            "Peer connections closed for breaking the "
-            "protocol or failing the handshake, by reason.",
-            ["reason"],
-            registry=r,
-        )
-        self.records_rejected = Counter(
-            "convergenced_records_rejected",
-            "Records dropped before merging (unknown origin, unsigned, bad signature).",
-            ["reason"],
-            registry=r,
-        )
-        self.reconnects = Counter(
-            "convergenced_peer_reconnects",
-            "Links re-established after a loss, by peer.",
-            ["peer"],
-            registry=r,
-        )
-        self.exchange_rtt = Histogram(
-            "convergenced_peer_exchange_rtt_seconds",
-            "Round trip of one TICK/TOCK exchange this node started, by peer.",
-            ["peer"],
-            buckets=RTT_BUCKETS,
-            registry=r,
-        )
-        self.fsync = Histogram(
-            "convergenced_wal_fsync_duration_seconds",
-            "Write plus fsync of one group commit of the write-ahead log.",
-            buckets=FSYNC_BUCKETS,
-            registry=r,
-        )
-        self.recovery = Gauge(
-            "convergenced_recovery_seconds",
-            "Last recovery generation: from this node's "
-            "first request to the agreed answer (RTO as this daemon sees it).",
-            ["stream"],
-            registry=r,
-        )
-        self.frames = Counter(
-            "convergenced_peer_frames",
-            "Peer frames, by peer, message type and direction.",
-            ["peer", "type", "direction"],
-            registry=r,
-        )
-        self.bytes = Counter(
-            "convergenced_peer_bytes",
-            "Peer bytes on the wire (after TLS framing is removed), by peer and direction.",
-            ["peer", "direction"],
-            registry=r,
-        )
+def spec(name: str) -> MetricSpec:
+    """The catalog entry of ``convergenced_<name>``."""
+    return BY_NAME["convergenced_" + name]
 
 
-class DaemonCollector(Collector):
-    """State metrics, read from the daemon at scrape time."""
+# -- state metrics -------------------------------------------------------------------
 
-    def __init__(self, daemon: Daemon, clock: Callable[[], float] = time.monotonic) -> None:
-        self.daemon = daemon
-        self.clock = clock
+
+class StateSource(Protocol):
+    """What the collector reads from the daemon at scrape time."""
+
+    def streams(self) -> list[str]:
+        """Streams declared on this node."""
+
+    def stream_state(self, stream: str) -> dict[str, Any]:
+        """The ``state`` result of the local API for ``stream``."""
+
+    def node_id(self) -> str:
+        """This node."""
+
+    def peer_links(self) -> list[tuple[str, bool]]:
+        """Every configured peer, and whether an established link to it is up."""
+
+    def wal_bytes(self) -> int | None:
+        """Size of the write-ahead log on disk (None: not open yet)."""
+
+    def local_clients(self) -> int:
+        """Connected local API clients."""
+
+    def restore_point_age(self, stream: str) -> float | None:
+        """Seconds since the restore point of ``stream`` last changed, if it did."""
+
+
+class StateCollector(Collector):
+    """State metrics, read from a `StateSource` when Prometheus scrapes."""
+
+    def __init__(self, source: StateSource) -> None:
+        self.source = source
 
     def describe(self) -> Iterable[Metric]:
-        return []  # unchecked collector: names are documented in the README
+        return []  # unchecked collector: the catalog documents the names
 
     def collect(self) -> Iterator[Metric]:
-        d = self.daemon
-        node = d.node
-        if node is None:
-            return
-        g: dict[str, GaugeMetricFamily] = {}
+        src = self.source
+        families: dict[str, GaugeMetricFamily] = {}
 
-        def gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
-            if name not in g:
-                g[name] = GaugeMetricFamily(name, doc, labels=labels)
-            return g[name]
+        def family(name: str) -> GaugeMetricFamily:
+            fam = families.get(name)
+            if fam is None:
+                m = spec(name)
+                fam = families[name] = GaugeMetricFamily(m.name, m.help, labels=list(m.labels))
+            return fam
 
-        now = self.clock()
-        for stream in node.streams():
-            s = api.status_to_wire(node.status(stream))
+        def gauge(name: str, labels: list[str], value: float) -> None:
+            family(name).add_metric(labels, value)
+
+        for stream in src.streams():
+            s = src.stream_state(stream)
             rp = s["restore_point"]
             if rp is not None:
-                gauge(
-                    "convergenced_restore_point_epoch", "The agreed restore point.", ["stream"]
-                ).add_metric([stream], rp)
+                gauge("restore_point_epoch", [stream], rp)
             if s["proposal"] is not None:
-                gauge(
-                    "convergenced_proposal_epoch", "This node's proposal.", ["stream"]
-                ).add_metric([stream], s["proposal"])
+                gauge("proposal_epoch", [stream], s["proposal"])
             ci = s["convergence"]
             if ci:
-                gauge(
-                    "convergenced_convergence_low_epoch",
-                    "Oldest epoch of the convergence interval.",
-                    ["stream"],
-                ).add_metric([stream], ci[0][0])
-                gauge(
-                    "convergenced_convergence_high_epoch",
-                    "Newest epoch of the convergence interval.",
-                    ["stream"],
-                ).add_metric([stream], ci[-1][1])
+                gauge("convergence_low_epoch", [stream], ci[0][0])
+                gauge("convergence_high_epoch", [stream], ci[-1][1])
             if s["skew"] is not None:
-                gauge(
-                    "convergenced_epoch_skew",
-                    "Max minus min over members of their newest recoverable epoch.",
-                    ["stream"],
-                ).add_metric([stream], s["skew"])
+                gauge("epoch_skew", [stream], s["skew"])
             for domain, spread in s["domain_skew"].items():
-                gauge(
-                    "convergenced_domain_divergence",
-                    "Max minus min over members of their newest epoch in the domain.",
-                    ["stream", "domain"],
-                ).add_metric([stream, domain], spread)
-            gauge(
-                "convergenced_knowledge_level",
-                "How far agreement got: 0 incomplete, 1 interval, 2 proposed, 3 published.",
-                ["stream"],
-            ).add_metric([stream], KNOWLEDGE.get(s["knowledge"], 0))
-            since = d.restore_point_since.get(stream)
-            if rp is not None and since is not None:
-                gauge(
-                    "convergenced_restore_point_age_seconds",
-                    "Time since the restore point last changed.",
-                    ["stream"],
-                ).add_metric([stream], now - since)
-            own = s["newest"].get(node.node_id, {})
+                gauge("domain_divergence", [stream, domain], spread)
+            gauge("knowledge_level", [stream], KNOWLEDGE.get(s["knowledge"], 0))
+            age = src.restore_point_age(stream)
+            if rp is not None and age is not None:
+                gauge("restore_point_age_seconds", [stream], age)
+            own = s["newest"].get(src.node_id(), {})
             if rp is not None and own:
-                gauge(
-                    "convergenced_rpo_epochs",
-                    "Epochs between this node's newest commit and the restore point.",
-                    ["stream"],
-                ).add_metric([stream], max(0, max(own.values()) - rp))
-        up = gauge(
-            "convergenced_peer_up", "1 while an established link to the peer is up.", ["peer"]
-        )
-        linked = set(node.neighbours)
-        for peer in d.config.peers:
-            up.add_metric([peer.node_id], 1.0 if peer.node_id in linked else 0.0)
-        journal = d.journal
-        if journal is not None:
-            gauge("convergenced_wal_bytes", "Size of the write-ahead log on disk.", []).add_metric(
-                [], journal.wal.synced_bytes
-            )
-        if d.api is not None:
-            gauge("convergenced_local_clients", "Connected local API clients.", []).add_metric(
-                [], len(d.api.sessions)
-            )
-        yield from g.values()
+                gauge("rpo_epochs", [stream], max(0, max(own.values()) - rp))
+        family("peer_up")  # present even before any peer is configured
+        for peer, up in src.peer_links():
+            gauge("peer_up", [peer], 1.0 if up else 0.0)
+        wal = src.wal_bytes()
+        if wal is not None:
+            gauge("wal_bytes", [], wal)
+        gauge("local_clients", [], src.local_clients())
+        yield from families.values()
 
 
-def register(metrics: Metrics, daemon: Any) -> None:
-    """Attach the state collector of ``daemon`` to the registry."""
-    metrics.registry.register(DaemonCollector(daemon))
+# -- the documentation table ------------------------------------------------------------
+
+TABLE_BEGIN = "<!-- metrics-table:begin -->"
+TABLE_END = "<!-- metrics-table:end -->"
+
+
+def markdown_table() -> str:
+    """The metrics table of docs/operations.md, generated from `CATALOG`."""
+    rows = ["| metric | type | meaning |", "|---|---|---|"]
+    for m in CATALOG:
+        labels = "{" + ",".join(m.labels) + "}" if m.labels else ""
+        rows.append(f"| `{m.exported}{labels}` | {m.kind} | {m.help} |")
+    return "\n".join(rows) + "\n"
+
+
+def splice_table(text: str, table: str) -> str:
+    """``text`` with the part between the table markers replaced by ``table``.
+
+    Raises:
+        ValueError: the markers are missing.
+    """
+    try:
+        head, rest = text.split(TABLE_BEGIN + "\n", 1)
+        _, tail = rest.split(TABLE_END, 1)
+    except ValueError:
+        raise ValueError(f"missing {TABLE_BEGIN} ... {TABLE_END}") from None
+    return f"{head}{TABLE_BEGIN}\n\n{table}\n{TABLE_END}{tail}"
+
+
+def main(argv: list[str] | None = None, out: Callable[[str], Any] = sys.stdout.write) -> int:
+    """Print the metrics table, or ``--write FILE`` it between the markers of FILE."""
+    p = argparse.ArgumentParser(prog="python -m convergenced.daemon.metrics")
+    p.add_argument("--write", type=Path, metavar="FILE", help="update the table in FILE")
+    args = p.parse_args(argv)
+    table = markdown_table()
+    if args.write is None:
+        out(table)
+        return 0
+    args.write.write_text(splice_table(args.write.read_text(encoding="utf-8"), table), "utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

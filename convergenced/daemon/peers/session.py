@@ -4,26 +4,30 @@ One `PeerSession` per connection. It owns three small tasks, as trio-websocket
 does: a reader (bytes in, `Link.receive_data`), a ticker (the link timer: heartbeat
 and failure detection, counted in ticks by the core), and a waker (the node's view
 changed elsewhere: `Link.poll`). Every path that may have produced bytes ends in
-`_flush`, which first makes everything the node applied durable (the core's
-durability contract: a fact or high-water mark must be on disk before any record
-carrying it leaves) and then sends, under one lock.
+`_flush`, which hands them to the session's gated output the moment they are taken
+from the link, waits until the log is durable up to the position they were tagged
+with, and sends what the gate releases, under one lock. So bytes produced while an
+earlier fsync runs wait for the next one: nothing leaves before the fsync that
+covers every fact it may reveal (`convergenced.core.gate`).
 
-`PeerHub` is what the sessions share: the `NodeCore`, the durability hook, and the
-wake-up of every other session when one of them changed the view.
+A session that ends for any reason (closed, lost, cancelled, failed) tells its link
+the connection is gone, so the node never keeps counting a link that no longer
+exists (peers would otherwise stop relaying that origin's records to us).
+
+`PeerHub` is what the sessions of one daemon share: the node, its gate and the way
+to wait for durability, the link settings, the telemetry, the live sessions, and
+the wake-up of every other session when one of them changed the view.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import trio
 
-if TYPE_CHECKING:
-    from convergenced.daemon.metrics import Metrics
-
 from convergenced.core.errors import ProtocolError, RemoteProtocolError
+from convergenced.core.gate import OutputGate
 from convergenced.core.link import (
     Closed,
     ExchangeDone,
@@ -34,12 +38,10 @@ from convergenced.core.link import (
     Role,
 )
 from convergenced.core.node import NodeCore
+from convergenced.daemon.telemetry import Telemetry
 
-MakeDurable = Callable[[], Awaitable[None]]
-
-
-async def _nothing_to_persist() -> None:
-    return None
+Durable = Callable[[int], Awaitable[None]]
+"""Waits until the log is durable up to a position of the gate (`GroupCommit.durable`)."""
 
 
 class PeerHub:
@@ -48,35 +50,34 @@ class PeerHub:
     def __init__(
         self,
         node: NodeCore,
+        gate: OutputGate,
+        durable: Durable,
         link_config: LinkConfig,
+        telemetry: Telemetry,
         *,
         tick_seconds: float,
-        make_durable: MakeDurable = _nothing_to_persist,
-        on_reject: Callable[[ProtocolError, PeerSession], None] | None = None,
-        metrics: Metrics | None = None,
     ) -> None:
         self.node = node
-        self.metrics = metrics
-        self.on_reject = on_reject
-        """Called for every protocol violation a peer commits (metrics, logs)."""
+        self.gate = gate
+        self.durable = durable
         self.link_config = link_config
+        self.telemetry = telemetry
         self.tick_seconds = tick_seconds
-        self.make_durable = make_durable
         self.sessions: set[PeerSession] = set()
-        self.changed = trio.Event()
-        """Set (then replaced) whenever the view changed: wakes `wait_changed`."""
+        self._changed = trio.Event()
 
     def view_changed(self, source: PeerSession | None = None) -> None:
-        """Wake every session but ``source`` so it can send the new records."""
+        """Wake every session but ``source`` so it can send the new records, and
+        everyone in `wait_changed`."""
         for session in self.sessions:
             if session is not source:
                 session.wake()
-        self.changed.set()
-        self.changed = trio.Event()
+        self._changed.set()
+        self._changed = trio.Event()
 
     async def wait_changed(self) -> None:
         """Return after the next view change."""
-        await self.changed.wait()
+        await self._changed.wait()
 
 
 class PeerSession:
@@ -104,6 +105,7 @@ class PeerSession:
         """Seconds the peer has to complete its HELLO (slowloris guard)."""
         self.closed_reason: str | None = None
         self.error: ProtocolError | None = None
+        self._out = hub.gate.output()
         self._send_lock = trio.Lock()
         self._tick_sent_at: dict[int, float] = {}
         self._reported_frames: dict[tuple[str, str], int] = {}
@@ -135,13 +137,15 @@ class PeerSession:
                     nursery.start_soon(self._handshake_deadline, self.handshake_timeout)
         finally:
             self.hub.sessions.discard(self)
+            self.link.connection_lost(self.closed_reason or "session ended")
+            self.closed_reason = self.closed_reason or "session ended"
             with trio.CancelScope(shield=True):
                 # A TLS close_notify can block on a peer that stopped reading.
                 with trio.move_on_after(1) as bounded:
                     await self.stream.aclose()
                 if bounded.cancelled_caught:
                     await trio.aclose_forcefully(self.stream)
-        return self.closed_reason or "closed"
+        return self.closed_reason
 
     async def close(self, reason: str = "shutting down") -> None:
         """Say BYE and end the session."""
@@ -150,6 +154,10 @@ class PeerSession:
             await self._flush()
 
     # -- tasks ------------------------------------------------------------------
+
+    def _violation(self, err: ProtocolError) -> None:
+        self.error = err
+        self.hub.telemetry.peer_violation(err, self.peer, self.address)
 
     async def _reader(self) -> None:
         while not self.link.closed:
@@ -160,18 +168,14 @@ class PeerSession:
             try:
                 self.link.receive_data(data)
             except ProtocolError as err:
-                self.error = err
-                if self.hub.on_reject is not None:
-                    self.hub.on_reject(err, self)
+                self._violation(err)
             await self._flush()
 
     async def _handshake_deadline(self, seconds: float) -> None:
         await trio.sleep(seconds)
         if self.link.peer is None and not self.link.closed:
             err = RemoteProtocolError(f"no HELLO within {seconds:g} s", reason="handshake_timeout")
-            self.error = err
-            if self.hub.on_reject is not None:
-                self.hub.on_reject(err, self)
+            self._violation(err)
             self.link.close(str(err))
             await self._flush()
 
@@ -190,29 +194,6 @@ class PeerSession:
 
     # -- output -------------------------------------------------------------------
 
-    def _exchange_done(self, seq: int) -> None:
-        started = self._tick_sent_at.pop(seq, None)  # only exchanges we started
-        m = self.hub.metrics
-        if started is not None and m is not None and self.peer is not None:
-            m.exchange_rtt.labels(peer=self.peer).observe(trio.current_time() - started)
-
-    def _report_traffic(self) -> None:
-        m = self.hub.metrics
-        if m is None or self.peer is None:  # unauthenticated: counted by reason only
-            return
-        link = self.link
-        for key, n in link.frame_counts.items():
-            delta = n - self._reported_frames.get(key, 0)
-            if delta:
-                m.frames.labels(peer=self.peer, type=key[1], direction=key[0]).inc(delta)
-                self._reported_frames[key] = n
-        sent, received = self._reported_bytes
-        if link.bytes_sent != sent:
-            m.bytes.labels(peer=self.peer, direction="sent").inc(link.bytes_sent - sent)
-        if link.bytes_received != received:
-            m.bytes.labels(peer=self.peer, direction="received").inc(link.bytes_received - received)
-        self._reported_bytes = (link.bytes_sent, link.bytes_received)
-
     async def _flush(self) -> None:
         async with self._send_lock:
             changed = False
@@ -223,28 +204,51 @@ class PeerSession:
                     self.closed_reason = ev.reason
                 elif isinstance(ev, ExchangeDone):
                     self._exchange_done(ev.seq)
-            # Nothing leaves before everything applied so far is durable (a no-op
-            # when nothing is pending): see `convergenced.daemon.journal`.
+            # Tagged now, with every fact applied so far: see the module docstring.
+            self._out.send(self.link.data_to_send())
             try:
-                await self.hub.make_durable()
+                await self.hub.durable(self._out.waiting_for)
             except OSError as exc:
                 # The log failed: nothing may leave (the daemon is stopping).
                 self.closed_reason = f"write-ahead log failed: {exc}"
-                if self._nursery is not None:
-                    self._nursery.cancel_scope.cancel()
+                self._end()
                 return
-            data = self.link.data_to_send()
+            data = b"".join(self._out.release())
             if data:
                 try:
                     await self.stream.send_all(data)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    if not self.link.closed:
-                        self.link.receive_data(b"")
+                    self.link.connection_lost()
                     self.closed_reason = self.closed_reason or "connection lost"
             if self.link.state is LinkState.TICK_SENT and self.link.seq not in self._tick_sent_at:
                 self._tick_sent_at[self.link.seq] = trio.current_time()
             self._report_traffic()
             if changed:
                 self.hub.view_changed(source=self)
-            if self.link.closed and self._nursery is not None:
-                self._nursery.cancel_scope.cancel()
+            if self.link.closed:
+                self._end()
+
+    def _end(self) -> None:
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
+
+    def _exchange_done(self, seq: int) -> None:
+        started = self._tick_sent_at.pop(seq, None)  # only exchanges we started
+        if started is not None and self.peer is not None:
+            self.hub.telemetry.exchanged(self.peer, trio.current_time() - started)
+
+    def _report_traffic(self) -> None:
+        if self.peer is None:  # unauthenticated: counted by reason only
+            return
+        link = self.link
+        deltas = []
+        for key, n in link.frame_counts.items():
+            delta = n - self._reported_frames.get(key, 0)
+            if delta:
+                deltas.append((key, delta))
+                self._reported_frames[key] = n
+        sent, received = self._reported_bytes
+        self.hub.telemetry.traffic(
+            self.peer, deltas, link.bytes_sent - sent, link.bytes_received - received
+        )
+        self._reported_bytes = (link.bytes_sent, link.bytes_received)

@@ -16,7 +16,7 @@ import trio
 
 from convergenced.core.link import Role
 from convergenced.daemon.config import Peer
-from convergenced.daemon.peers import PeerHub, PeerSession
+from convergenced.daemon.peers.session import PeerHub, PeerSession
 from convergenced.errors import ConvergencedError
 
 log = structlog.get_logger("convergenced.peers")
@@ -64,14 +64,12 @@ async def dial_forever(
     connect_timeout: float = 5.0,
     stable_after: float = 10.0,
     backoff: Backoff | None = None,
-    on_reconnect: Callable[[str], None] | None = None,
-    on_refused: Callable[[str], None] | None = None,
 ) -> None:
     """Keep a link to ``peer`` up until cancelled.
 
     ``connect`` opens a secured stream (see `transport`); an error with a ``reason``
-    attribute (a refused TLS handshake) is reported to ``on_refused`` and retried
-    like any other failure.
+    attribute (a refused TLS handshake) is counted as a refused connection and
+    retried like any other failure.
     """
     backoff = backoff or Backoff()
     address = f"{peer.host}:{peer.port}"
@@ -82,8 +80,8 @@ async def dial_forever(
                 stream = await connect(peer)
         except (OSError, trio.TooSlowError, ConvergencedError) as exc:
             reason = getattr(exc, "reason", None)
-            if reason is not None and on_refused is not None:
-                on_refused(reason)
+            if reason is not None:
+                hub.telemetry.connection_refused(reason)
             delay = backoff.next()
             # A refused handshake is a configuration problem worth seeing; a peer that
             # is simply down is not (backoff already spaces these lines out).
@@ -96,8 +94,8 @@ async def dial_forever(
             )
             await trio.sleep(delay)
             continue
-        if connected_before and on_reconnect is not None:
-            on_reconnect(peer.node_id)
+        if connected_before:
+            hub.telemetry.reconnected(peer.node_id)
         connected_before = True
         session = PeerSession(
             hub, stream, Role.INITIATOR, expected_peer=peer.node_id, address=address

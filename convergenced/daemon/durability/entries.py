@@ -1,0 +1,115 @@
+"""What the write-ahead log holds: facts and incarnations, and their msgpack form.
+
+Each entry is a tagged array (``["commit", stream, rank, domain, epoch, digest,
+size]``...), so the log can be read without the code that wrote it, and a new kind
+of entry is refused by an older version instead of being misread. The file format
+around the entries is `log_file`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from convergenced.core.facts import (
+    CloseGenerations,
+    Commit,
+    Declare,
+    Fact,
+    Freeze,
+    HighWater,
+    RankState,
+    Retire,
+    Retract,
+)
+from convergenced.core.interval_set import IntervalSet
+from convergenced.core.spec import StreamSpec
+from convergenced.errors import ConvergencedError
+
+
+@dataclass(frozen=True, slots=True)
+class Incarnation:
+    """The daemon started for the ``number``-th time (persisted before serving)."""
+
+    number: int
+
+
+Entry = Fact | Incarnation
+
+
+def encode_entry(entry: Entry) -> list[Any]:
+    """The msgpack-ready payload of one entry."""
+    if isinstance(entry, Incarnation):
+        return ["incarnation", entry.number]
+    if isinstance(entry, Declare):
+        return ["declare", entry.spec.to_wire()]
+    if isinstance(entry, Commit):
+        return [
+            "commit",
+            entry.stream,
+            entry.rank,
+            entry.domain,
+            entry.epoch,
+            entry.digest,
+            entry.size,
+        ]
+    if isinstance(entry, Retract):
+        return ["retract", entry.stream, entry.rank, entry.domain, entry.epoch]
+    if isinstance(entry, Retire):
+        return ["retire", entry.stream, entry.rank, entry.domain, entry.epoch]
+    if isinstance(entry, Freeze):
+        return ["freeze", entry.stream, entry.generation, entry.epochs.encode()]
+    if isinstance(entry, HighWater):
+        return ["high_water", entry.stream, entry.epoch, [list(e) for e in entry.evidence]]
+    if isinstance(entry, RankState):
+        return [
+            "rank_state",
+            entry.stream,
+            entry.rank,
+            entry.domain,
+            entry.available.encode(),
+            entry.retired.encode(),
+        ]
+    return ["close", entry.stream, entry.below]
+
+
+def decode_entry(obj: Any) -> Entry:
+    """Inverse of `encode_entry`.
+
+    Raises:
+        ValueError: an entry this version does not know or cannot parse.
+    """
+    if not isinstance(obj, list) or not obj or not isinstance(obj[0], str):
+        raise ValueError("entry is not a tagged array")
+    kind, args = obj[0], obj[1:]
+    try:
+        if kind == "incarnation":
+            (number,) = args
+            return Incarnation(int(number))
+        if kind == "declare":
+            (spec,) = args
+            return Declare(StreamSpec.from_wire(spec))
+        if kind == "commit":
+            stream, rank, domain, epoch, digest, size = args
+            return Commit(stream, rank, domain, epoch, digest, size)
+        if kind == "retract":
+            return Retract(*args)
+        if kind == "retire":
+            return Retire(*args)
+        if kind == "freeze":
+            stream, generation, flat = args
+            return Freeze(stream, generation, IntervalSet.decode(flat))
+        if kind == "high_water":
+            stream, epoch, evidence = args
+            return HighWater(stream, epoch, tuple((m, i, v) for m, i, v in evidence))
+        if kind == "rank_state":
+            stream, rank, domain, available, retired = args
+            return RankState(
+                stream, rank, domain, IntervalSet.decode(available), IntervalSet.decode(retired)
+            )
+        if kind == "close":
+            stream, below = args
+            return CloseGenerations(stream, below)
+    except (TypeError, ValueError, ConvergencedError) as exc:
+        raise ValueError(f"{kind} entry: {exc}") from None
+    raise ValueError(f"unknown entry kind {kind!r}")

@@ -1,0 +1,252 @@
+"""The operations of the local API: one table, one handler each.
+
+`OPERATIONS` maps every operation the local-API codec knows (`core.api.OPS`) to its
+kind and its handler; a test holds the two lists to each other. The kind says how
+a session runs it:
+
+* ``FACT`` (declare, commit, retract, retire): applied inline by the session's
+  reader, in arrival order, through `Admission`; its reply is queued at once and
+  the output gate holds it until the fact is durable, so one fsync acknowledges a
+  whole read's worth of facts;
+* ``READ`` (status, streams, state): a task of its own; the reply shows the state
+  at that instant and, like every reply, waits for the fsync of anything it may
+  reveal;
+* ``WAIT`` (wait, restore_point, watch): a task that may wait for the cluster;
+  ended with ``unavailable`` at shutdown;
+* ``SESSION`` (cancel): addresses the session's own requests; the session answers
+  it itself.
+
+Handlers take the validated arguments (`core.api.parse_request`) and return the
+result map, or raise `ApiError`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import trio
+
+from convergenced.core import api
+from convergenced.core.admission import Admission, rejected
+from convergenced.core.api import ApiError, ErrorKind
+from convergenced.core.errors import FactError
+from convergenced.core.facts import Fact
+from convergenced.core.node import NodeCore
+from convergenced.daemon.peers.session import PeerHub
+from convergenced.daemon.telemetry import Telemetry
+
+Emit = Callable[[dict[str, Any]], None]
+"""Sends one event of a watch."""
+
+
+class OpKind(Enum):
+    """How a session runs an operation (see the module docstring)."""
+
+    FACT = "fact"
+    READ = "read"
+    WAIT = "wait"
+    SESSION = "session"
+
+
+class LocalOperations:
+    """The operations over one node."""
+
+    def __init__(
+        self,
+        node: NodeCore,
+        admission: Admission,
+        hub: PeerHub,
+        telemetry: Telemetry,
+        *,
+        durable: Callable[[], Awaitable[None]],
+        status: Callable[[], dict[str, Any]],
+    ) -> None:
+        self.node = node
+        self.admission = admission
+        self.hub = hub
+        self.telemetry = telemetry
+        self._durable = durable
+        self._status = status
+
+    # -- facts ------------------------------------------------------------------
+
+    def submit(self, fact: Fact) -> dict[str, Any]:
+        """Admit, apply and log ``fact``; the reply acknowledges it once durable.
+
+        Raises:
+            ApiError: ``rejected``; nothing changed.
+        """
+        try:
+            result = self.admission.submit(fact)
+        except ApiError:
+            stream = getattr(fact, "stream", None)
+            declared = stream in self.node.streams()
+            domains = self.node.spec(stream).policy.domains if declared and stream else ()
+            self.telemetry.fact_refused(fact, domains)
+            raise
+        self.telemetry.fact_applied(fact)
+        self.hub.view_changed()
+        return result
+
+    async def durable(self) -> None:
+        """Wait until everything applied so far is on disk.
+
+        Raises:
+            ApiError: ``unavailable``/``log_failed`` when the log failed.
+        """
+        try:
+            await self._durable()
+        except OSError as exc:
+            raise log_failed(exc) from None
+
+    # -- reads ------------------------------------------------------------------
+
+    def state(self, stream: str) -> dict[str, Any]:
+        """The state of ``stream`` as this node sees it."""
+        self.admission.known(stream)
+        return api.status_to_wire(self.node.status(stream))
+
+    def streams(self) -> list[str]:
+        """Streams declared on this node."""
+        return self.node.streams()
+
+    def status(self) -> dict[str, Any]:
+        """Daemon status: identity, links, clients, counters."""
+        return self._status()
+
+    # -- waiting ------------------------------------------------------------------
+
+    async def wait(self, stream: str, epoch: int, timeout: float | None) -> dict[str, Any]:
+        """The state once the restore point reaches ``epoch``.
+
+        Raises:
+            ApiError: ``timeout`` when it did not within ``timeout`` seconds.
+        """
+        self.admission.known(stream)
+        with trio.move_on_after(math.inf if timeout is None else timeout):
+            while True:
+                rp = self.node.restore_point(stream)
+                if rp is not None and rp >= epoch:
+                    return self.state(stream)
+                await self.hub.wait_changed()
+        rp = self.node.restore_point(stream)
+        raise ApiError(
+            ErrorKind.TIMEOUT,
+            "timeout",
+            f"stream {stream!r}: restore point is {rp}, not yet {epoch}, after {timeout} s",
+        )
+
+    async def restore_point(
+        self, stream: str, generation: int, timeout: float | None
+    ) -> dict[str, Any]:
+        """The restore point of recovery generation ``generation``.
+
+        The first request for a generation freezes this node's recoverable set for
+        it; the answer comes once every member's frozen set is known, and is the same
+        on every member (S2).
+        """
+        try:
+            fact = self.node.freeze_fact(stream, generation)
+        except FactError as exc:
+            raise rejected(exc) from None
+        started = trio.current_time()
+        if fact is not None:
+            self.submit(fact)
+        with trio.move_on_after(math.inf if timeout is None else timeout):
+            while True:
+                try:
+                    answer = self.node.generation(stream, generation)
+                except FactError as exc:
+                    raise rejected(exc) from None
+                if answer.resolved:
+                    await self.durable()
+                    if fact is not None:
+                        self.telemetry.recovered(stream, trio.current_time() - started)
+                    return api.generation_to_wire(stream, answer)
+                await self.hub.wait_changed()
+        answer = self.node.generation(stream, generation)
+        raise ApiError(
+            ErrorKind.TIMEOUT,
+            "timeout",
+            f"stream {stream!r}: generation {generation} still waits for the frozen sets "
+            f"of {', '.join(answer.waiting_for)} after {timeout} s",
+        )
+
+    async def watch(self, stream: str, emit: Emit) -> None:
+        """Emit the state now and after every change, until cancelled.
+
+        Each event waits for the fsync of what it shows before the next state is
+        taken, so a watcher sees at most one event per group commit.
+        """
+        self.admission.known(stream)
+        last: dict[str, Any] | None = None
+        while True:
+            current = self.state(stream)
+            if current != last:
+                await self.durable()
+                emit(current)
+                last = current
+            await self.hub.wait_changed()
+
+
+def log_failed(exc: BaseException) -> ApiError:
+    """The error every request gets once the log failed."""
+    return ApiError(
+        ErrorKind.UNAVAILABLE,
+        "log_failed",
+        f"the write-ahead log failed ({exc}); nothing was acknowledged, the daemon is stopping",
+    )
+
+
+# -- the table ----------------------------------------------------------------------
+
+Args = Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Operation:
+    """One operation of the local API."""
+
+    kind: OpKind
+    run: Callable[[LocalOperations, Args, Emit], Any]
+    """Returns the result (FACT and READ), or an awaitable of it (WAIT)."""
+
+
+async def _wait(ops: LocalOperations, a: Args, emit: Emit) -> Any:
+    return await ops.wait(a["stream"], a["epoch"], a["timeout"])
+
+
+async def _restore_point(ops: LocalOperations, a: Args, emit: Emit) -> Any:
+    return await ops.restore_point(a["stream"], a["generation"], a["timeout"])
+
+
+async def _watch(ops: LocalOperations, a: Args, emit: Emit) -> Any:
+    await ops.watch(a["stream"], emit)
+
+
+def _fact(ops: LocalOperations, a: Args, emit: Emit) -> Any:
+    return ops.submit(a["fact"])
+
+
+def _session(ops: LocalOperations, a: Args, emit: Emit) -> Any:
+    raise AssertionError("answered by the session itself")  # pragma: no cover
+
+
+OPERATIONS: dict[str, Operation] = {
+    "declare": Operation(OpKind.FACT, _fact),
+    "commit": Operation(OpKind.FACT, _fact),
+    "retract": Operation(OpKind.FACT, _fact),
+    "retire": Operation(OpKind.FACT, _fact),
+    "status": Operation(OpKind.READ, lambda ops, a, emit: ops.status()),
+    "streams": Operation(OpKind.READ, lambda ops, a, emit: ops.streams()),
+    "state": Operation(OpKind.READ, lambda ops, a, emit: ops.state(a["stream"])),
+    "wait": Operation(OpKind.WAIT, _wait),
+    "restore_point": Operation(OpKind.WAIT, _restore_point),
+    "watch": Operation(OpKind.WAIT, _watch),
+    "cancel": Operation(OpKind.SESSION, _session),
+}
+"""Every operation of the local API, by name."""

@@ -1,0 +1,135 @@
+"""The local API server: who may connect, how many, and a graceful end.
+
+Every accepted connection is checked against the peer's kernel credentials
+(`peercred`): root, the daemon's own user, ``[local] allowed_uids`` and members of
+``allowed_gids`` are served, one `ClientSession` each; anyone else gets one
+``rejected``/``not_allowed`` error reply naming their uid, and is closed. Past
+``limits.max_clients`` a client gets ``unavailable``/``too_many_clients``.
+Warnings about refused or misbehaving clients are rate-limited (a local process
+must not be able to flood the log); every refusal is still counted.
+
+Shutdown (`LocalApiServer.drain`): new requests get ``unavailable``; waits and
+watches are ended with ``unavailable``; requests that change state run to their
+acknowledgement; queued replies are flushed; then the connections close.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Awaitable, Callable, Iterable
+
+import trio
+
+from convergenced.core import api
+from convergenced.core.api import ApiError, ErrorKind
+from convergenced.core.gate import OutputGate
+from convergenced.daemon.config import Limits
+from convergenced.daemon.localapi import peercred
+from convergenced.daemon.localapi.operations import LocalOperations
+from convergenced.daemon.localapi.session import ClientSession
+from convergenced.daemon.telemetry import Telemetry
+
+
+class LocalApiServer:
+    """Accepts local clients and serves them with the `LocalOperations`."""
+
+    def __init__(
+        self,
+        operations: LocalOperations,
+        gate: OutputGate,
+        durable: Callable[[int], Awaitable[None]],
+        limits: Limits,
+        telemetry: Telemetry,
+        *,
+        allowed_uids: Iterable[int] = (),
+        allowed_gids: Iterable[int] = (),
+    ) -> None:
+        self.operations = operations
+        self.gate = gate
+        self.durable = durable
+        self.limits = limits
+        self.telemetry = telemetry
+        self.own_uid = os.geteuid()
+        self.allowed_uids = frozenset(allowed_uids)
+        self.allowed_gids = frozenset(allowed_gids)
+        self.sessions: set[ClientSession] = set()
+        self.shutting_down = False
+        self.disconnected_slow = 0
+
+    def check_peer(self, stream: trio.SocketStream) -> ApiError | None:
+        """None when the connected process may use the daemon, else the error to send."""
+        try:
+            creds, ok = peercred.check(
+                stream.socket, self.own_uid, self.allowed_uids, self.allowed_gids
+            )
+        except peercred.PeerCredentialsError as exc:
+            self.telemetry.warn("no_credentials", "local client refused", error=str(exc))
+            return ApiError(
+                ErrorKind.REJECTED,
+                "not_allowed",
+                f"cannot tell who is connecting ({exc}); refusing",
+            )
+        if ok:
+            return None
+        self.telemetry.warn(
+            "not_allowed",
+            "local client refused",
+            pid=creds.pid,
+            uid=creds.uid,
+            gid=creds.gid,
+            groups=sorted(creds.groups),
+        )
+        return ApiError(ErrorKind.REJECTED, "not_allowed", peercred.refusal_message(creds))
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        """Serve one connection until it closes."""
+        refusal = self.check_peer(stream)
+        if refusal is not None:
+            await self._refuse(stream, refusal)
+            return
+        if self.shutting_down:
+            err = ApiError(ErrorKind.UNAVAILABLE, "shutting_down", "the daemon is shutting down")
+            await self._refuse(stream, err)
+            return
+        if len(self.sessions) >= self.limits.max_clients:
+            err = ApiError(
+                ErrorKind.UNAVAILABLE,
+                "too_many_clients",
+                f"the daemon already serves {self.limits.max_clients} clients (limits.max_clients)",
+            )
+            await self._refuse(stream, err)
+            return
+        session = ClientSession(self, stream, self.durable)
+        self.sessions.add(session)
+        try:
+            await session.run()
+        finally:
+            self.sessions.discard(session)
+
+    async def _refuse(self, stream: trio.SocketStream, err: ApiError) -> None:
+        """Count ``err``, send it as the only reply, and close; a second at most.
+
+        What the client sent is read and dropped until it closes: closing a Unix
+        socket that holds unread bytes makes the client's next read fail with
+        ECONNRESET, and the client would report a reset instead of the reason.
+        """
+        self.telemetry.api_error(err.reason)
+        with trio.move_on_after(1):
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                await stream.send_all(api.encode_frame(api.error(None, err)))
+                await stream.send_eof()
+                while await stream.receive_some(65536):
+                    pass
+        await trio.aclose_forcefully(stream)
+
+    async def drain(self, grace: float) -> None:
+        """Stop serving (see the module docstring); give up after ``grace`` seconds."""
+        self.shutting_down = True
+        for session in list(self.sessions):
+            session.begin_drain()
+        with trio.move_on_after(grace):
+            while self.sessions:
+                await trio.sleep(0.01)
+        for session in list(self.sessions):
+            session.kill()

@@ -1,0 +1,255 @@
+"""One connected client process: a reader, a writer, and every reply through the gate.
+
+The reader runs facts and reads inline, in the order they arrive (see
+`operations`); waits get a task each, at most ``limits.client_queue`` at a time.
+Every reply, error replies included, is queued on the session's gated output the
+moment it is made, so it leaves only once every fact it may reveal is durable: a
+refusal that only makes sense given an earlier declaration of the same read waits
+for that declaration's fsync like the acknowledgement would. The writer sends what
+the gate releases, everything releasable in one write, and waits for the group
+commit when nothing is.
+
+Backpressure and stuck clients: the reader stops reading while the replies it
+queued reach ``limits.client_queue``. A client whose replies pile up that high
+while the writer is blocked sending to it has stopped reading: that client alone is
+disconnected (``client_too_slow``), so one stuck process can never stall the
+daemon or any other client. Replies waiting for an fsync are the daemon's own
+doing and never count against a client.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import structlog
+import trio
+
+from convergenced.core import api
+from convergenced.core.api import ApiError, ErrorKind, Request
+from convergenced.daemon.localapi.operations import OPERATIONS, OpKind, log_failed
+
+if TYPE_CHECKING:
+    from convergenced.daemon.localapi.server import LocalApiServer
+
+log = structlog.get_logger("convergenced.api")
+
+
+class ClientSession:
+    """One connected client process."""
+
+    def __init__(
+        self,
+        server: LocalApiServer,
+        stream: trio.SocketStream,
+        durable: Callable[[int], Awaitable[None]],
+    ) -> None:
+        self.server = server
+        self.stream = stream
+        self.limit = server.limits.client_queue
+        self._durable = durable
+        self._out = server.gate.output()
+        self._ready = trio.Event()
+        self._drained = trio.Event()
+        self._sending = False
+        self._slots = trio.Semaphore(self.limit)
+        self._inflight: dict[int, tuple[str, trio.CancelScope]] = {}
+        self._idle = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        self._read_scope = trio.CancelScope()
+        self._reading_done = False
+        self._draining = False
+
+    async def run(self) -> None:
+        """Read, dispatch and write until the client leaves or is disconnected."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._writer)
+                with self._read_scope:
+                    await self._reader()
+                # Let in-flight requests finish; the writer then flushes what is left
+                # and ends the session.
+                while self._inflight:
+                    await self._idle.wait()
+                self._reading_done = True
+                self._ready.set()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.stream.aclose()
+
+    def begin_drain(self) -> None:
+        """Shutdown: stop reading, end waits and watches, let the rest finish."""
+        self._draining = True
+        self._read_scope.cancel()
+        for op, scope in list(self._inflight.values()):
+            if OPERATIONS[op].kind is OpKind.WAIT:
+                scope.cancel()
+
+    def kill(self) -> None:
+        """Disconnect now."""
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
+
+    # -- reading ---------------------------------------------------------------
+
+    async def _reader(self) -> None:
+        reader = api.FrameReader(self.server.limits.max_frame_bytes)
+        while True:
+            try:
+                data = await self.stream.receive_some(65536)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+            if not data:
+                return
+            try:
+                objs = reader.feed(data)
+            except ApiError as err:
+                # The byte stream cannot be resynchronized: answer, then hang up.
+                self._fail(None, err)
+                return
+            for obj in objs:
+                await self._dispatch(obj)
+            if reader.failed is not None:
+                # Requests before the bad frame were served; the stream ends here.
+                self._fail(None, reader.failed)
+                return
+            while len(self._out) >= self.limit:
+                if self._stuck():
+                    return
+                await self._drained.wait()
+
+    async def _dispatch(self, obj: Any) -> None:
+        try:
+            req = api.parse_request(obj)
+        except ApiError as err:
+            self._fail(err.request_id, err)
+            return
+        if req.id in self._inflight:
+            self._fail(
+                req.id, api.bad_request(f"request id {req.id} is already in flight", "duplicate_id")
+            )
+            return
+        op = OPERATIONS[req.op]
+        if op.kind is OpKind.SESSION:  # cancel
+            target = self._inflight.get(req.args["target"])
+            if target is not None:
+                target[1].cancel()
+            self._reply(api.ok(req.id, {"cancelled": target is not None}))
+            return
+        if self.server.shutting_down:
+            down = ApiError(ErrorKind.UNAVAILABLE, "shutting_down", "daemon is shutting down")
+            self._fail(req.id, down)
+            return
+        if op.kind is not OpKind.WAIT:
+            try:
+                self._reply(api.ok(req.id, op.run(self.server.operations, req.args, _no_events)))
+            except ApiError as err:
+                self._fail(req.id, err)
+            return
+        await self._slots.acquire()
+        scope = trio.CancelScope()
+        self._inflight[req.id] = (req.op, scope)
+        self._idle = trio.Event()
+        assert self._nursery is not None
+        self._nursery.start_soon(self._wait, req, scope)
+
+    async def _wait(self, req: Request, scope: trio.CancelScope) -> None:
+        emit = lambda ev: self._reply(api.event(req.id, ev))  # noqa: E731
+        try:
+            with scope:
+                try:
+                    result = await OPERATIONS[req.op].run(self.server.operations, req.args, emit)
+                    self._reply(api.ok(req.id, result))
+                except ApiError as err:
+                    self._fail(req.id, err)
+                except Exception as exc:  # a bug: answer it, log it, keep serving
+                    if self.server.telemetry.may_warn("internal"):
+                        log.exception("request failed", op=req.op, request=req.id)
+                    text = f"{type(exc).__name__}: {exc}"
+                    self._fail(req.id, ApiError(ErrorKind.INTERNAL, "internal", text))
+            if scope.cancelled_caught:
+                if self._draining:
+                    end = ApiError(
+                        ErrorKind.UNAVAILABLE,
+                        "shutting_down",
+                        "the daemon is shutting down; ask again after it restarts",
+                    )
+                else:
+                    end = ApiError(
+                        ErrorKind.UNAVAILABLE, "cancelled", f"request {req.id} was cancelled"
+                    )
+                self._fail(req.id, end)
+        finally:
+            self._slots.release()
+            self._inflight.pop(req.id, None)
+            if not self._inflight:
+                self._idle.set()
+
+    # -- writing -------------------------------------------------------------------
+
+    def _fail(self, rid: int | None, err: ApiError) -> None:
+        self.server.telemetry.api_error(err.reason)
+        self._reply(api.error(rid, err))
+
+    def _reply(self, msg: dict[str, Any]) -> None:
+        self._out.send(api.encode_frame(msg))
+        self._ready.set()
+        if len(self._out) > self.limit:
+            self._stuck()
+
+    def _stuck(self) -> bool:
+        """Disconnect the client if it stopped reading (see the module docstring)."""
+        if not self._sending:
+            return False
+        self.server.disconnected_slow += 1
+        self.server.telemetry.api_error("client_too_slow")
+        self.server.telemetry.warn(
+            "client_too_slow", "client too slow; disconnecting", queued=len(self._out)
+        )
+        self.kill()
+        return True
+
+    async def _writer(self) -> None:
+        out = self._out
+        while True:
+            chunks = out.release()
+            if chunks:
+                self._drained.set()
+                self._drained = trio.Event()
+                self._sending = True
+                try:
+                    await self.stream.send_all(b"".join(chunks))
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    self.kill()
+                    return
+                finally:
+                    self._sending = False
+                continue
+            if len(out):
+                try:
+                    await self._durable(out.waiting_for)
+                except OSError as exc:
+                    await self._answer_held(log_failed(exc))
+                    return
+                continue
+            if self._reading_done:
+                self.kill()  # everything answered and flushed: the session is over
+                return
+            await self._ready.wait()
+            self._ready = trio.Event()
+
+    async def _answer_held(self, err: ApiError) -> None:
+        """The log failed: what waits for it never leaves; its requests get ``err``."""
+        frames = api.FrameReader(1 << 30).feed(b"".join(self._out.discard()))
+        ids = [f.get("id") for f in frames if isinstance(f, dict) and "event" not in f]
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            for rid in ids:
+                self.server.telemetry.api_error(err.reason)
+                await self.stream.send_all(api.encode_frame(api.error(rid, err)))
+        self.kill()
+
+
+def _no_events(event: dict[str, Any]) -> None:
+    raise AssertionError("only waits emit events")  # pragma: no cover

@@ -1,0 +1,326 @@
+"""The daemon process: start-up, serving, graceful stop and reload.
+
+Start-up order matters for the durability promise:
+
+1. lock the state directory (one daemon per directory);
+2. open the write-ahead log (truncating a torn tail, refusing damage) and rebuild
+   the node from it (`wiring.assemble`);
+3. log and fsync the new incarnation *before* any record of it can leave;
+4. bind the peer listener and the local socket, then dial peers.
+
+Shutdown on SIGTERM or SIGINT (`Daemon.stop`): stop accepting, answer in-flight
+requests (state changes run to their acknowledgement, waits and watches end with
+``unavailable``), say BYE on every link, make the log durable, close. SIGHUP
+re-reads the configuration and applies what can change safely (peers, trust,
+mesh_limit, log_level, wal_compact_bytes), naming what it could not.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import structlog
+import trio
+
+from convergenced import __version__
+from convergenced.daemon import config as config_mod
+from convergenced.daemon import logs
+from convergenced.daemon.config import Config
+from convergenced.daemon.durability.entries import Entry, Incarnation
+from convergenced.daemon.durability.log_file import FactLog, OpenReport
+from convergenced.daemon.http import HttpEndpoint
+from convergenced.daemon.localapi.unix_socket import open_unix_listener
+from convergenced.daemon.notify import Notifier
+from convergenced.daemon.peers.manager import link_config
+from convergenced.daemon.peers.security import load_security
+from convergenced.daemon.telemetry import Telemetry
+from convergenced.daemon.wiring import Running, assemble
+from convergenced.errors import StartupError
+
+__all__ = ["Daemon", "StartupError"]
+
+log = structlog.get_logger("convergenced.daemon")
+
+WAL_NAME = "facts.wal"
+LOCK_NAME = "lock"
+SHUTDOWN_GRACE_S = 5.0
+RESTART_TO_CHANGE = (
+    "node_id", "cluster", "listen_host", "listen_port", "socket_path", "state_dir",
+    "tick_ms", "idle_ticks", "dead_ticks", "wal_group_commit", "limits", "insecure",
+    "tls", "identity", "allowed_uids", "allowed_gids",
+)  # fmt: skip
+"""Settings a reload cannot change (the daemon keeps running the old ones)."""
+
+
+@contextmanager
+def _state_lock(state_dir: Path) -> Iterator[None]:
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
+    fd = os.open(state_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o640)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StartupError(
+                f"{state_dir}: another convergenced already uses this state directory"
+            ) from None
+        yield
+    finally:
+        os.close(fd)
+
+
+class Daemon:
+    """One convergenced daemon. `run` serves until `stop` (or a signal)."""
+
+    def __init__(
+        self, config: Config, *, config_path: Path | None = None, log_json: bool | None = None
+    ) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.log_json = log_json
+        """The log format chosen at start (None: by terminal); kept across reloads."""
+        self.running: Running | None = None
+        self.notifier = Notifier()
+        self.ready = False
+        self.fatal: BaseException | None = None
+        """Why the daemon stopped on its own (the log failed), if it did."""
+        self._stop = trio.Event()
+        self._stop_reason = ""
+        self._nursery: trio.Nursery | None = None
+
+    # -- life cycle ----------------------------------------------------------------
+
+    def stop(self, reason: str = "stop requested") -> None:
+        """Begin a graceful shutdown."""
+        self._stop_reason = self._stop_reason or reason
+        self._stop.set()
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until stopped. ``task_status.started`` fires once listeners are bound.
+
+        Raises:
+            StartupError: the state directory is in use, a listener cannot bind, a
+                key file is wrong.
+            WalCorruptError: the log is damaged where acknowledged facts live.
+        """
+        cfg = self.config
+        with _state_lock(cfg.state_dir):
+            wal, entries, report = FactLog.open(cfg.state_dir / WAL_NAME)
+            try:
+                await self._serve(wal, entries, report, task_status)
+            finally:
+                if self.running is not None:
+                    self.running.commits.close()
+                wal.close()
+
+    async def _serve(
+        self, wal: FactLog, entries: list[Entry], report: OpenReport, task_status: Any
+    ) -> None:
+        cfg = self.config
+        if report.torn_tail_bytes:
+            log.warning("write-ahead log had a torn tail; truncated it",
+                        bytes=report.torn_tail_bytes, detail=report.detail)  # fmt: skip
+        if report.upgraded_from is not None:
+            log.info("write-ahead log rewritten in the current format",
+                     from_version=report.upgraded_from)  # fmt: skip
+        telemetry = Telemetry()
+        security = load_security(cfg, telemetry)
+        r = self.running = assemble(cfg, wal, entries, telemetry, security,
+                                    on_log_failure=self._log_failed)  # fmt: skip
+        telemetry.watch(r)
+        await r.commits.log_now(Incarnation(r.node.incarnation))
+        log.info("starting", version=__version__, incarnation=r.node.incarnation,
+                 facts=len(entries), streams=len(r.node.streams()),
+                 wal_bytes=wal.synced_bytes)  # fmt: skip
+        if r.commits.compaction_due:
+            await r.commits.compact(r.snapshot)
+        try:
+            peer_listeners = await trio.open_tcp_listeners(cfg.listen_port, host=cfg.listen_host)
+        except OSError as exc:
+            raise StartupError(
+                f"cannot listen for peers on {cfg.listen_host}:{cfg.listen_port}: {exc}"
+            ) from None
+        r.peer_port = int(peer_listeners[0].socket.getsockname()[1])
+        try:
+            unix_listener = await open_unix_listener(cfg.socket_path)
+        except OSError as exc:
+            for listener in peer_listeners:
+                await listener.aclose()
+            raise StartupError(f"cannot listen on {cfg.socket_path}: {exc}") from None
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                accept_scope = trio.CancelScope()
+                nursery.start_soon(self._accept, accept_scope, peer_listeners, unix_listener)
+                nursery.start_soon(self._watch_signals)
+                nursery.start_soon(self._report_node_events)
+                nursery.start_soon(r.commits.compact_when_due, r.snapshot)
+                self._prime_metrics()
+                await self._start_http(nursery)
+                r.peers.start_dialers(nursery, cfg)
+                log.info("ready", peer_port=r.peer_port, socket=str(cfg.socket_path),
+                         dials=sorted(r.peers.dialers))  # fmt: skip
+                self.ready = True
+                self.notifier.ready(r.summary())
+                nursery.start_soon(self._notify_loop)
+                task_status.started(self)
+                await self._stop.wait()
+                self.ready = False
+                self.notifier.stopping()
+                log.info("stopping", reason=self._stop_reason)
+                accept_scope.cancel()
+                await self._graceful_stop()
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True), suppress(OSError):
+                cfg.socket_path.unlink()
+        log.info("stopped")
+
+    async def _accept(
+        self,
+        scope: trio.CancelScope,
+        peer_listeners: list[trio.SocketListener],
+        unix_listener: trio.SocketListener,
+    ) -> None:
+        r = self.running
+        assert r is not None and self._nursery is not None
+        # Connections are handled in the daemon's nursery, not under ``scope``:
+        # cancelling ``scope`` stops accepting, while live sessions drain gracefully.
+        handlers = self._nursery
+        with scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partial(trio.serve_listeners, r.peers.accept,
+                                           peer_listeners, handler_nursery=handlers))  # fmt: skip
+                nursery.start_soon(partial(trio.serve_listeners, r.api.handle,
+                                           [unix_listener], handler_nursery=handlers))  # fmt: skip
+
+    async def _graceful_stop(self) -> None:
+        r = self.running
+        assert r is not None
+        r.peers.stop_dialers()
+        await r.api.drain(SHUTDOWN_GRACE_S)
+        with trio.move_on_after(1.0):
+            async with trio.open_nursery() as nursery:
+                for session in list(r.hub.sessions):
+                    nursery.start_soon(session.close, "shutting down")
+        if r.commits.failure is None:
+            await r.commits.durable()
+
+    def _log_failed(self, exc: BaseException) -> None:
+        # Nothing more can be acknowledged (see `group_commit`): stop, and let the
+        # restart replay what is really on disk.
+        log.critical("write-ahead log failed; stopping", error=str(exc))
+        self.fatal = exc
+        self.stop("write-ahead log failed")
+
+    async def _report_node_events(self) -> None:
+        r = self.running
+        assert r is not None
+        while True:
+            await r.hub.wait_changed()
+            while (ev := r.node.next_event()) is not None:
+                r.telemetry.node_event(ev)
+
+    def _prime_metrics(self) -> None:
+        r = self.running
+        assert r is not None
+        streams = [(s, r.node.spec(s).policy.domains) for s in r.node.streams()]
+        r.telemetry.prime(streams, [p.node_id for p in self.config.peers])
+
+    # -- signals and reload ------------------------------------------------------------
+
+    async def _watch_signals(self) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            async for signum in signals:
+                if signum == signal.SIGHUP:
+                    self.reload()
+                else:
+                    self.stop(signal.Signals(signum).name)
+
+    def reload(self) -> list[str]:
+        """Re-read the configuration file; apply peers, trust, mesh_limit, log_level
+        and wal_compact_bytes.
+
+        Returns the keys that changed but need a restart (also logged).
+        """
+        if self.config_path is None:
+            log.warning("reload ignored: the daemon was not started from a file")
+            return []
+        try:
+            new = config_mod.load(self.config_path)
+        except config_mod.ConfigError as exc:
+            log.error("reload failed; keeping the running configuration", error=str(exc))
+            return []
+        old = self.config
+        fixed = [key for key in RESTART_TO_CHANGE if getattr(old, key) != getattr(new, key)]
+        kept = replace(old, peers=new.peers, mesh_limit=new.mesh_limit,
+                       log_level=new.log_level, wal_compact_bytes=new.wal_compact_bytes,
+                       trust=new.trust, source=new.source)  # fmt: skip
+        self.config = kept
+        r = self.running
+        assert r is not None and self._nursery is not None
+        r.config = kept
+        if new.trust != old.trust:
+            r.security.reload_trust(kept)
+        if new.log_level != old.log_level:
+            logs.configure(new.log_level, old.node_id, json=self.log_json)
+        r.commits.compact_bytes = kept.wal_compact_bytes
+        r.hub.link_config = link_config(kept)
+        self._prime_metrics()
+        r.peers.start_dialers(self._nursery, kept)
+        log.info("configuration reloaded", peers=[p.node_id for p in kept.peers],
+                 log_level=kept.log_level)  # fmt: skip
+        if fixed:
+            log.warning(
+                "these settings need a restart to change; still running the old ones", keys=fixed
+            )
+        return fixed
+
+    # -- metrics endpoint, probes, systemd ---------------------------------------------
+
+    async def _start_http(self, nursery: trio.Nursery) -> None:
+        r = self.running
+        where = self.config.metrics_listen
+        if where is None or r is None:
+            return
+        endpoint = HttpEndpoint(r.telemetry.registry, healthy=self.healthy, ready=self.readiness)
+        try:
+            listeners = await endpoint.listen(where[0], where[1], nursery)
+        except OSError as exc:
+            raise StartupError(f"cannot serve metrics on {where[0]}:{where[1]}: {exc}") from None
+        r.metrics_port = int(listeners[0].socket.getsockname()[1])
+
+    def healthy(self) -> tuple[bool, str]:
+        """For /healthz and `convergenced healthcheck`: the process serves and its log
+        works."""
+        r = self.running
+        if r is not None and r.commits.failure is not None:
+            return False, f"write-ahead log failed: {r.commits.failure}"
+        return True, "ok"
+
+    def readiness(self) -> tuple[bool, str]:
+        """For /readyz: listeners bound, not stopping."""
+        ok, why = self.healthy()
+        if not ok:
+            return ok, why
+        return (True, "ready") if self.ready else (False, "starting or stopping")
+
+    async def _notify_loop(self) -> None:
+        r = self.running
+        assert r is not None
+        interval = self.notifier.watchdog_interval
+        last_status = 0.0
+        while True:
+            await trio.sleep(interval if interval is not None else 5.0)
+            if interval is not None:
+                self.notifier.watchdog()
+            if trio.current_time() - last_status >= 5.0:
+                self.notifier.status(r.summary())
+                last_status = trio.current_time()

@@ -1,0 +1,124 @@
+"""Which peers this daemon talks to: accepting their connections and dialling its own.
+
+Small clusters are a full mesh, larger ones a log-degree overlay (`core.overlay`):
+the overlay says which configured peers this node dials; the others dial it. An
+accepted connection is refused past ``limits.max_connections`` (counting those
+still in their TLS handshake: exactly what an unauthenticated flood would hold
+open) or when its TLS handshake fails; otherwise it becomes a `PeerSession` whose
+HELLO must name the node its certificate names. A reload (`start_dialers` with the
+new configuration) starts and stops dialers to match, and closes the links of
+peers that are gone.
+"""
+
+from __future__ import annotations
+
+import structlog
+import trio
+
+from convergenced.core.link import LinkConfig, Role
+from convergenced.core.overlay import dial_targets
+from convergenced.core.wire import WireLimits
+from convergenced.daemon.config import Config, Peer
+from convergenced.daemon.peers.dialer import dial_forever
+from convergenced.daemon.peers.session import PeerHub, PeerSession
+from convergenced.daemon.peers.transport import PeerTransport, TransportError
+from convergenced.daemon.telemetry import TOO_MANY_CONNECTIONS
+
+log = structlog.get_logger("convergenced.daemon")
+
+
+def link_config(cfg: Config) -> LinkConfig:
+    """The link settings a configuration implies."""
+    allowed = frozenset([cfg.node_id, *(p.node_id for p in cfg.peers)])
+    return LinkConfig(
+        cluster=cfg.cluster,
+        idle_ticks=cfg.idle_ticks,
+        dead_ticks=cfg.dead_ticks,
+        allowed_peers=allowed,
+        limits=WireLimits(
+            max_frame_bytes=cfg.limits.max_frame_bytes,
+            max_records=cfg.limits.max_records_per_message,
+        ),
+    )
+
+
+def dial_plan(cfg: Config) -> list[Peer]:
+    """The configured peers this node dials (the overlay decides; see `overlay`)."""
+    ids = [cfg.node_id, *(p.node_id for p in cfg.peers)]
+    targets = set(dial_targets(ids, cfg.node_id, cfg.mesh_limit))
+    return [p for p in cfg.peers if p.node_id in targets]
+
+
+class PeerManager:
+    """The accepting and dialling side of one daemon's peer links."""
+
+    def __init__(self, hub: PeerHub, transport: PeerTransport, config: Config) -> None:
+        self.hub = hub
+        self.transport = transport
+        self.config = config
+        self.dialers: dict[str, trio.CancelScope] = {}
+        self._handshaking = 0
+
+    async def accept(self, tcp: trio.SocketStream) -> None:
+        """Serve one accepted connection until its link closes."""
+        limits = self.config.limits
+        telemetry = self.hub.telemetry
+        if len(self.hub.sessions) + self._handshaking >= limits.max_connections:
+            telemetry.connection_refused(TOO_MANY_CONNECTIONS)
+            await tcp.aclose()
+            return
+        try:
+            host, port = tcp.socket.getpeername()[:2]
+            address = f"{host}:{port}"
+        except OSError:
+            address = "?"
+        self._handshaking += 1
+        try:
+            stream, authenticated = await self.transport.accept(tcp)
+        except TransportError as exc:
+            telemetry.connection_refused(exc.reason, address, str(exc))
+            return
+        finally:
+            self._handshaking -= 1
+        session = PeerSession(
+            self.hub,
+            stream,
+            Role.ACCEPTOR,
+            address=address,
+            expected_peer=authenticated,
+            handshake_timeout=limits.handshake_timeout_s,
+        )
+        reason = await session.run()
+        log.info("link closed", peer=session.peer, address=address, reason=reason)
+
+    def start_dialers(self, nursery: trio.Nursery, cfg: Config) -> None:
+        """Dial the peers ``cfg``'s plan names; stop dialling (and close the links
+        of) those it no longer names."""
+        self.config = cfg
+        wanted = {p.node_id: p for p in dial_plan(cfg)}
+        for node_id in list(self.dialers):
+            if node_id not in wanted:
+                self.dialers.pop(node_id).cancel()
+                for session in self.hub.sessions:
+                    if session.peer == node_id:
+                        session.link.close("peer removed from configuration")
+                        session.wake()
+        for node_id, peer in wanted.items():
+            if node_id not in self.dialers:
+                scope = trio.CancelScope()
+                self.dialers[node_id] = scope
+                nursery.start_soon(self._dial, scope, peer)
+
+    def stop_dialers(self) -> None:
+        """Stop every dialer (shutdown)."""
+        for scope in self.dialers.values():
+            scope.cancel()
+
+    async def _dial(self, scope: trio.CancelScope, peer: Peer) -> None:
+        with scope:
+            await dial_forever(
+                self.hub,
+                peer,
+                connect=self.transport.dial,
+                connect_timeout=self.config.limits.handshake_timeout_s,
+            )

@@ -1,0 +1,283 @@
+"""Telemetry: every event the daemon counts or reports, in one object.
+
+Each adapter (the group commit, the peer sessions and dialers, the local API, the
+daemon itself) gets the daemon's one `Telemetry` and tells it what happened. Each
+event is counted once, in its Prometheus counter (from the `metrics` catalog), and
+logged when an operator should hear of it; warnings a peer or a local process can
+provoke are rate-limited per reason, so nobody can flood the log (the counters
+still count every occurrence). The ``counters`` map of ``status --json`` is read
+back from the same counters (`counters`), not kept beside them.
+
+Label sets start at zero where Prometheus needs to see the first event (`prime`):
+``rate()`` and ``increase()`` cannot see a series' first increment, so a stream's
+first rollback would never fire an alert otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import structlog
+import trio
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from convergenced import __version__
+from convergenced.core.errors import ProtocolError
+from convergenced.core.facts import Commit, Declare, Fact, Retract
+from convergenced.core.node import (
+    GenerationResolved,
+    NodeEvent,
+    RestorePointChanged,
+    SpecConflictDetected,
+)
+from convergenced.core.records import Record
+from convergenced.daemon.metrics import StateCollector, StateSource, spec
+
+log = structlog.get_logger("convergenced.daemon")
+
+RTT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+FSYNC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0)
+WARN_INTERVAL_S = 10.0
+"""At most one warning per reason this often."""
+TRANSPORT_REASONS = frozenset(
+    {"tls_handshake_failed", "tls_handshake_timeout", "tls_no_node_id", "tls_wrong_peer"}
+)
+"""Reasons a connection is refused before any protocol message (the TLS layer)."""
+TOO_MANY_CONNECTIONS = "too_many_connections"
+PRIMED_FRAME_REASONS = (
+    "tls_handshake_failed",
+    "tls_handshake_timeout",
+    "tls_wrong_peer",
+    "out_of_order",
+    "invalid_field",
+    "malformed_body",
+    "unknown_node",
+    "wrong_cluster",
+    "unexpected_peer",
+)
+"""Rejection reasons whose counters start at zero (any other appears on first use)."""
+RECORD_REASONS = ("unknown_origin", "unsigned", "bad_signature")
+
+
+def _counter(name: str, registry: CollectorRegistry) -> Counter:
+    m = spec(name)
+    return Counter(m.name, m.help, list(m.labels), registry=registry)
+
+
+class Telemetry:
+    """The daemon's counters, histograms and operator-facing log lines."""
+
+    def __init__(self, clock: Callable[[], float] = trio.current_time) -> None:
+        self.clock = clock
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        info = spec("build_info")
+        Gauge(info.name, info.help, list(info.labels), registry=r).labels(__version__).set(1)
+        self.commits = _counter("commits", r)
+        self.facts = _counter("facts", r)
+        self.retractions = _counter("retractions", r)
+        self.rollbacks = _counter("rollbacks", r)
+        self.spec_conflicts = _counter("spec_conflicts", r)
+        self.api_errors = _counter("api_errors", r)
+        self.frames_rejected = _counter("frames_rejected", r)
+        self.records_rejected = _counter("records_rejected", r)
+        self.reconnects = _counter("peer_reconnects", r)
+        self.frames = _counter("peer_frames", r)
+        self.bytes = _counter("peer_bytes", r)
+        self.wal_entries = _counter("wal_entries", r)
+        self.wal_compactions = _counter("wal_compactions", r)
+        rtt, fsync, rec = spec("peer_exchange_rtt_seconds"), spec("wal_fsync_duration_seconds"), \
+            spec("recovery_seconds")  # fmt: skip
+        self.exchange_rtt = Histogram(rtt.name, rtt.help, list(rtt.labels),
+                                      buckets=RTT_BUCKETS, registry=r)  # fmt: skip
+        self.fsync = Histogram(fsync.name, fsync.help, buckets=FSYNC_BUCKETS, registry=r)
+        self.recovery = Gauge(rec.name, rec.help, list(rec.labels), registry=r)
+        self._restore_point_since: dict[str, float] = {}
+        self._last_warned: dict[str, float] = {}
+
+    def watch(self, source: StateSource) -> None:
+        """Export the state metrics of ``source`` at every scrape."""
+        self.registry.register(StateCollector(source))
+
+    def prime(self, streams: Iterable[tuple[str, Iterable[str]]], peers: Iterable[str]) -> None:
+        """Start the bounded label sets at zero: (stream, its policy's domains), peers."""
+        for stream, domains in streams:
+            self.rollbacks.labels(stream=stream)
+            self.retractions.labels(stream=stream)
+            for domain in domains:
+                for outcome in ("accepted", "rejected"):
+                    self.commits.labels(domain=domain, outcome=outcome)
+        for peer in peers:
+            self.reconnects.labels(peer=peer)
+        for reason in RECORD_REASONS:
+            self.records_rejected.labels(reason=reason)
+        for reason in PRIMED_FRAME_REASONS:
+            self.frames_rejected.labels(reason=reason)
+
+    def may_warn(self, key: str) -> bool:
+        """True at most once per ``key`` every `WARN_INTERVAL_S` (the caller then logs)."""
+        now = self.clock()
+        if now - self._last_warned.get(key, -1e18) < WARN_INTERVAL_S:
+            return False
+        self._last_warned[key] = now
+        return True
+
+    def warn(self, key: str, event: str, **fields: Any) -> None:
+        """Log a warning, at most once per ``key`` every `WARN_INTERVAL_S`."""
+        if self.may_warn(key):
+            log.warning(event, **fields)
+
+    # -- facts and the local API ---------------------------------------------------
+
+    def fact_applied(self, fact: Fact) -> None:
+        """A client's fact was applied (acknowledged once durable)."""
+        self.facts.labels(type=type(fact).__name__.lower()).inc()
+        if isinstance(fact, Declare):
+            self.prime([(fact.spec.name, fact.spec.policy.domains)], ())
+        elif isinstance(fact, Commit):
+            self.commits.labels(domain=fact.domain, outcome="accepted").inc()
+        elif isinstance(fact, Retract):
+            self.retractions.labels(stream=fact.stream).inc()
+
+    def fact_refused(self, fact: Fact, declared_domains: Iterable[str]) -> None:
+        """A client's fact was refused; ``declared_domains``: of its stream, if declared.
+
+        Only domains of declared streams label the metric: a client cannot grow the
+        label set by inventing domain names.
+        """
+        if isinstance(fact, Commit):
+            domain = fact.domain if fact.domain in set(declared_domains) else "other"
+            self.commits.labels(domain=domain, outcome="rejected").inc()
+
+    def api_error(self, reason: str) -> None:
+        """One local API error reply."""
+        self.api_errors.labels(reason=reason).inc()
+
+    def recovered(self, stream: str, seconds: float) -> None:
+        """A recovery generation this node asked for was answered after ``seconds``."""
+        self.recovery.labels(stream=stream).set(seconds)
+
+    # -- the node's events -----------------------------------------------------------
+
+    def node_event(self, ev: NodeEvent) -> None:
+        """Count and log what the core reported."""
+        if isinstance(ev, RestorePointChanged):
+            self._restore_point_since[ev.stream] = self.clock()
+            if ev.rollback:
+                self.rollbacks.labels(stream=ev.stream).inc()
+                log.warning("restore point rolled back", stream=ev.stream, old=ev.old, new=ev.new)
+            else:
+                log.debug("restore point", stream=ev.stream, old=ev.old, new=ev.new)
+        elif isinstance(ev, SpecConflictDetected):
+            self.spec_conflicts.labels(stream=ev.stream).inc()
+            log.error("member declared a different spec", stream=ev.stream, member=ev.member,
+                      digest=ev.digest.hex()[:16])  # fmt: skip
+        elif isinstance(ev, GenerationResolved):
+            log.info("recovery generation resolved", stream=ev.stream,
+                     generation=ev.generation, restore_point=ev.restore_point)  # fmt: skip
+
+    def restore_point_age(self, stream: str) -> float | None:
+        """Seconds since the restore point of ``stream`` last changed here, if it did."""
+        since = self._restore_point_since.get(stream)
+        return None if since is None else self.clock() - since
+
+    # -- peers -----------------------------------------------------------------------
+
+    def peer_violation(self, err: ProtocolError, peer: str | None, address: str) -> None:
+        """A peer broke the protocol; its link was closed."""
+        self.frames_rejected.labels(reason=err.reason).inc()
+        self.warn(f"peer:{err.reason}", "peer broke the protocol; link closed",
+                  peer=peer, address=address, error=str(err))  # fmt: skip
+
+    def connection_refused(self, reason: str, address: str = "", error: str = "") -> None:
+        """A peer connection was refused before its HELLO (TLS, or too many)."""
+        self.frames_rejected.labels(reason=reason).inc()
+        if address:
+            self.warn(reason, "peer connection refused", address=address, error=error)
+
+    def record_rejected(self, reason: str, record: Record, via: str | None) -> None:
+        """A record failed verification and was dropped before merging."""
+        self.records_rejected.labels(reason=reason).inc()
+        self.warn(reason, "record rejected", origin=record.origin, stream=record.stream,
+                  via=via, reason=reason)  # fmt: skip
+
+    def reconnected(self, peer: str) -> None:
+        """A link to ``peer`` came back after a loss."""
+        self.reconnects.labels(peer=peer).inc()
+
+    def exchanged(self, peer: str, seconds: float) -> None:
+        """An exchange this node started with ``peer`` completed."""
+        self.exchange_rtt.labels(peer=peer).observe(seconds)
+
+    def traffic(self, peer: str, frames: Iterable[tuple[tuple[str, str], int]],
+                sent: int, received: int) -> None:  # fmt: skip
+        """Frames ((direction, type), count) and bytes exchanged with ``peer``."""
+        for (direction, kind), n in frames:
+            self.frames.labels(peer=peer, type=kind, direction=direction).inc(n)
+        if sent:
+            self.bytes.labels(peer=peer, direction="sent").inc(sent)
+        if received:
+            self.bytes.labels(peer=peer, direction="received").inc(received)
+
+    # -- the log -----------------------------------------------------------------------
+
+    def log_synced(self, seconds: float, entries: int) -> None:
+        """One group write and fsync of ``entries`` took ``seconds``."""
+        self.fsync.observe(seconds)
+        self.wal_entries.inc(entries)
+
+    def log_compacted(self, before: int, after: int, seconds: float) -> None:
+        """The log was rewritten from the live state."""
+        self.wal_compactions.inc()
+        log.info("write-ahead log compacted", bytes_before=before, bytes_after=after,
+                 seconds=round(seconds, 3))  # fmt: skip
+
+    # -- the status view ------------------------------------------------------------------
+
+    def counters(self) -> dict[str, int]:
+        """The ``counters`` of ``status``, read from the Prometheus counters.
+
+        Names: ``facts_<type>``, ``api_errors_<reason>``, ``peer_refused_<reason>``
+        (TLS refusals), ``peer_connections_refused``, ``peer_rejected_<reason>``
+        (protocol violations), ``records_rejected_<reason>``, ``peer_reconnects``,
+        ``rollbacks``, ``spec_conflicts``, ``wal_fsyncs``, ``wal_entries``,
+        ``wal_compactions``. Counters still at zero are left out.
+        """
+        out: dict[str, int] = {}
+
+        def add(name: str, value: float) -> None:
+            if value:
+                out[name] = out.get(name, 0) + int(value)
+
+        for labels, v in _samples(self.facts):
+            add(f"facts_{labels['type']}", v)
+        for labels, v in _samples(self.api_errors):
+            add(f"api_errors_{labels['reason']}", v)
+        for labels, v in _samples(self.records_rejected):
+            add(f"records_rejected_{labels['reason']}", v)
+        for labels, v in _samples(self.frames_rejected):
+            reason = labels["reason"]
+            if reason == TOO_MANY_CONNECTIONS:
+                add("peer_connections_refused", v)
+            elif reason in TRANSPORT_REASONS:
+                add(f"peer_refused_{reason}", v)
+            else:
+                add(f"peer_rejected_{reason}", v)
+        for name, counter in (("peer_reconnects", self.reconnects), ("rollbacks", self.rollbacks),
+                              ("spec_conflicts", self.spec_conflicts),
+                              ("wal_entries", self.wal_entries),
+                              ("wal_compactions", self.wal_compactions)):  # fmt: skip
+            for _, v in _samples(counter):
+                add(name, v)
+        for fam in self.fsync.collect():
+            for s in fam.samples:
+                if s.name.endswith("_count"):
+                    add("wal_fsyncs", s.value)
+        return dict(sorted(out.items()))
+
+
+def _samples(counter: Counter) -> Iterable[tuple[dict[str, str], float]]:
+    for fam in counter.collect():
+        for s in fam.samples:
+            if s.name.endswith("_total"):
+                yield s.labels, s.value
