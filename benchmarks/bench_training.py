@@ -119,7 +119,7 @@ import bench_daemon as bd  # noqa: E402  (puts the repository on sys.path)
 import report  # noqa: E402
 
 from convergenced.client import Client  # noqa: E402
-from convergenced.core import api  # noqa: E402
+from convergenced.core import local_api_codec as codec  # noqa: E402
 from tests.daemons import LocalCluster  # noqa: E402
 
 MS = 1e-3
@@ -473,13 +473,13 @@ class RawConn:
     def __init__(self, path: Path) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect(str(path))
-        self.reader = api.FrameReader()
+        self.reader = codec.FrameReader()
         self.rid = 0
 
     def call(self, op: str, **args: Any) -> Any:
         """One request, one reply."""
         self.rid += 1
-        self.sock.sendall(api.encode_frame(api.request(self.rid, op, **args)))
+        self.sock.sendall(codec.encode_frame(codec.request(self.rid, op, **args)))
         while True:
             data = self.sock.recv(65536)
             if not data:
@@ -487,7 +487,7 @@ class RawConn:
             for reply in self.reader.feed(data):
                 if reply.get("id") == self.rid:
                     if "error" in reply:
-                        raise api.error_from_wire(reply["error"])
+                        raise codec.error_from_wire(reply["error"])
                     return reply.get("ok")
 
     def close(self) -> None:

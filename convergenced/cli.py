@@ -223,7 +223,7 @@ def _cluster(args: argparse.Namespace) -> int:
 def _healthcheck(args: argparse.Namespace) -> int:
     import socket
 
-    from convergenced.core import api
+    from convergenced.core import local_api_codec as codec
 
     path = args.socket
     if path is None:
@@ -238,8 +238,8 @@ def _healthcheck(args: argparse.Namespace) -> int:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(args.timeout)
             s.connect(str(path))
-            s.sendall(api.encode_frame(api.request(1, "status")))
-            reader = api.FrameReader()
+            s.sendall(codec.encode_frame(codec.request(1, "status")))
+            reader = codec.FrameReader()
             while True:
                 data = s.recv(65536)
                 if not data:
@@ -247,7 +247,7 @@ def _healthcheck(args: argparse.Namespace) -> int:
                 replies = reader.feed(data)
                 if replies:
                     break
-    except (OSError, api.ApiError) as exc:
+    except (OSError, codec.ApiError) as exc:
         print(f"convergenced healthcheck: unhealthy: {path}: {exc}", file=sys.stderr)
         return 1
     reply = replies[0]

@@ -15,7 +15,7 @@ need not wait for the daemon's own fsync (see its docstring for what that costs)
         await client.commit("job", rank=0, domain="nvme", epoch=120)
 
 Every failed request raises `ApiError` (``kind``, ``reason``, message) from
-`convergenced.core.api`; a daemon that cannot be reached, or that went away,
+`convergenced.core.local_api_codec`; a daemon that cannot be reached, or that went away,
 raises `DaemonUnreachable`. The socket path defaults to ``$CONVERGENCED_SOCKET`` or
 ``/run/convergenced/convergenced.sock``.
 """
@@ -33,8 +33,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from convergenced.core import api
-from convergenced.core.api import ApiError, ErrorKind
+from convergenced.core import local_api_codec as codec
+from convergenced.core.local_api_codec import ApiError, ErrorKind
 from convergenced.core.spec import StreamSpec
 from convergenced.errors import ConvergencedError
 
@@ -71,7 +71,7 @@ def _spec_wire(spec: StreamSpec | Mapping[str, Any]) -> Any:
 
 def _result(reply: Mapping[str, Any]) -> Any:
     if "error" in reply:
-        raise api.error_from_wire(reply["error"])
+        raise codec.error_from_wire(reply["error"])
     return reply.get("ok", reply.get("event"))
 
 
@@ -117,7 +117,7 @@ class Client:
     # -- plumbing -----------------------------------------------------------------
 
     def _read_loop(self) -> None:
-        reader = api.FrameReader(MAX_REPLY_BYTES)
+        reader = codec.FrameReader(MAX_REPLY_BYTES)
         why = "the daemon closed the connection"
         told = False  # the daemon said why it closed: keep that over what follows
         try:
@@ -139,7 +139,7 @@ class Client:
                     elif rid is None and "error" in reply:
                         # An error for no request (not allowed, too many clients,
                         # shutting down).
-                        why = str(api.error_from_wire(reply["error"]))
+                        why = str(codec.error_from_wire(reply["error"]))
                         told = True
         except (OSError, ApiError) as exc:
             if not told:
@@ -162,7 +162,7 @@ class Client:
             if one_shot:
                 self._one_shot.add(rid)
             try:
-                self._sock.sendall(api.encode_frame(api.request(rid, op, **args)))
+                self._sock.sendall(codec.encode_frame(codec.request(rid, op, **args)))
             except OSError as exc:
                 del self._pending[rid]
                 self._one_shot.discard(rid)
@@ -301,8 +301,8 @@ class Client:
         # Cancel without waiting for the reply (which then has no taker).
         with self._lock:
             try:
-                frame = api.request(next(self._ids), "cancel", target=rid)
-                self._sock.sendall(api.encode_frame(frame))
+                frame = codec.request(next(self._ids), "cancel", target=rid)
+                self._sock.sendall(codec.encode_frame(frame))
             except OSError:
                 pass
 
@@ -381,7 +381,7 @@ class AsyncClient:
 
     async def _read_loop(self) -> None:
         trio = self._trio
-        reader = api.FrameReader(MAX_REPLY_BYTES)
+        reader = codec.FrameReader(MAX_REPLY_BYTES)
         why = "the daemon closed the connection"
         try:
             while True:
@@ -397,7 +397,7 @@ class AsyncClient:
                         # Watches may outpace their reader; the daemon bounds it too.
                         await ch.send(reply)
                     elif rid is None and "error" in reply:
-                        why = str(api.error_from_wire(reply["error"]))
+                        why = str(codec.error_from_wire(reply["error"]))
         except (trio.BrokenResourceError, trio.ClosedResourceError, ApiError) as exc:
             why = f"connection lost: {exc}"
         self._lost = why
@@ -413,7 +413,7 @@ class AsyncClient:
         self._pending[rid] = send
         try:
             async with self._send_lock:
-                await self._stream.send_all(api.encode_frame(api.request(rid, op, **args)))
+                await self._stream.send_all(codec.encode_frame(codec.request(rid, op, **args)))
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             del self._pending[rid]
             raise DaemonUnreachable(f"cannot send to the daemon: {exc}") from None
@@ -446,7 +446,7 @@ class AsyncClient:
         # Fire and forget: the reply to the cancel has no taker.
         if self._lost is not None:
             return
-        frame = api.encode_frame(api.request(next(self._ids), "cancel", target=rid))
+        frame = codec.encode_frame(codec.request(next(self._ids), "cancel", target=rid))
         with self._trio.CancelScope(shield=True):
             try:
                 async with self._send_lock:

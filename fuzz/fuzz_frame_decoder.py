@@ -7,7 +7,7 @@ documented typed error, never anything else, and never hangs:
 
 - peer wire (`convergenced.core.wire`): ``FrameDecoder`` + ``decode_message`` raise only
   ``RemoteProtocolError`` with one of the reasons of PROTOCOL.md section 16;
-- local API (`convergenced.core.api`): ``FrameReader`` + ``parse_request`` raise only
+- local API (`convergenced.core.local_api_codec`): ``FrameReader`` + ``parse_request`` raise only
   ``ApiError`` of kind ``bad_request``.
 
 Beyond "no crash", every message that decodes must survive a round trip
@@ -55,7 +55,8 @@ from typing import Any
 
 import msgpack
 
-from convergenced.core import api, wire
+from convergenced.core import local_api_codec as codec
+from convergenced.core import wire
 from convergenced.core.errors import RemoteProtocolError
 from convergenced.core.messages import Bye, Message, MessageType, Tick, Tock
 
@@ -122,7 +123,7 @@ def _fix_length(payload: bytes, api_target: bool) -> bytes:
     if api_target:
         if len(payload) < 4:
             return payload
-        return api.LENGTH.pack(len(payload) - 4) + payload[4:]
+        return codec.LENGTH.pack(len(payload) - 4) + payload[4:]
     if len(payload) < wire.HEADER_SIZE:
         return payload
     n = len(payload) - wire.HEADER_SIZE
@@ -171,26 +172,26 @@ def _round_trip(kind: MessageType, message: Message) -> None:
 
 def check_api(payload: bytes, chunk: int) -> None:
     """Feed ``payload`` to the local API reader and parse every request."""
-    reader = api.FrameReader(API_MAX_FRAME)
+    reader = codec.FrameReader(API_MAX_FRAME)
     try:
         for piece in _chunks(payload, chunk):
             for obj in reader.feed(piece):
                 try:
-                    request = api.parse_request(obj)
-                except api.ApiError as exc:
+                    request = codec.parse_request(obj)
+                except codec.ApiError as exc:
                     _check_api_error(exc)
                     continue
                 OUTCOMES.note(f"api ok {request.op}")
-    except api.ApiError as exc:
+    except codec.ApiError as exc:
         _check_api_error(exc)
         return
     OUTCOMES.note("api incomplete" if reader.buffered else "api consumed")
 
 
-def _check_api_error(exc: api.ApiError) -> None:
-    if exc.kind is not api.ErrorKind.BAD_REQUEST or exc.reason not in API_REASONS:
+def _check_api_error(exc: codec.ApiError) -> None:
+    if exc.kind is not codec.ErrorKind.BAD_REQUEST or exc.reason not in API_REASONS:
         raise Finding(f"api: unexpected error kind/reason {exc.kind}/{exc.reason}: {exc}") from exc
-    api.encode_frame(api.error(exc.request_id, exc))  # the reply must always encode
+    codec.encode_frame(codec.error(exc.request_id, exc))  # the reply must always encode
     OUTCOMES.note(f"api rejected {exc.reason}", str(exc))
 
 
@@ -229,19 +230,19 @@ def _api_seed_requests() -> list[dict[str, Any]]:
         "retention": 2,
     }
     return [
-        api.request(1, "status"),
-        api.request(2, "streams"),
-        api.request(3, "declare", spec=spec),
-        api.request(
+        codec.request(1, "status"),
+        codec.request(2, "streams"),
+        codec.request(3, "declare", spec=spec),
+        codec.request(
             4, "commit", stream="llama-70b", rank=0, domain="nvme", epoch=42, digest="ab", size=9
         ),
-        api.request(5, "retract", stream="llama-70b", rank=1, domain="nvme", epoch=41),
-        api.request(6, "retire", stream="llama-70b", rank=1, domain="s3", epoch=3),
-        api.request(7, "state", stream="llama-70b"),
-        api.request(8, "wait", stream="llama-70b", epoch=42, timeout=1.5),
-        api.request(9, "restore_point", stream="llama-70b", generation=2, timeout=0),
-        api.request(10, "watch", stream="llama-70b"),
-        api.request(11, "cancel", target=10),
+        codec.request(5, "retract", stream="llama-70b", rank=1, domain="nvme", epoch=41),
+        codec.request(6, "retire", stream="llama-70b", rank=1, domain="s3", epoch=3),
+        codec.request(7, "state", stream="llama-70b"),
+        codec.request(8, "wait", stream="llama-70b", epoch=42, timeout=1.5),
+        codec.request(9, "restore_point", stream="llama-70b", generation=2, timeout=0),
+        codec.request(10, "watch", stream="llama-70b"),
+        codec.request(11, "cancel", target=10),
     ]
 
 
@@ -256,9 +257,9 @@ def seeds() -> list[bytes]:
             out.append(make_input(frame, api_target=False, chunk=1))
     requests = _api_seed_requests()
     for req in requests:
-        out.append(make_input(api.encode_frame(req), api_target=True))
+        out.append(make_input(codec.encode_frame(req), api_target=True))
     out.append(
-        make_input(b"".join(api.encode_frame(r) for r in requests), api_target=True, chunk=7)
+        make_input(b"".join(codec.encode_frame(r) for r in requests), api_target=True, chunk=7)
     )
     return out
 
@@ -340,7 +341,7 @@ def _structured(rng: random.Random, payload: bytes, api_target: bool) -> bytes |
     except Exception:  # not decodable (a malformed seed) or not re-packable: skip
         return None
     if api_target:
-        return api.LENGTH.pack(len(body)) + body
+        return codec.LENGTH.pack(len(body)) + body
     return payload[:8] + len(body).to_bytes(4, "big") + body
 
 

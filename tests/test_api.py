@@ -13,21 +13,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from convergenced.core import api
-from convergenced.core.api import ApiError, ErrorKind
+from convergenced.core import local_api_codec as codec
 from convergenced.core.facts import Commit, Declare, Retire, Retract
+from convergenced.core.local_api_codec import ApiError, ErrorKind
 from convergenced.core.spec import Policy, StreamSpec
 
 SPEC = StreamSpec.create("job", {"a": [0, 1], "b": [2]}, Policy.any_of("nvme", "s3"), 2)
 
 
-def _parse(op: str, **args: Any) -> api.Request:
-    return api.parse_request({"id": 7, "op": op, "args": args})
+def _parse(op: str, **args: Any) -> codec.Request:
+    return codec.parse_request({"id": 7, "op": op, "args": args})
 
 
 def _bad(obj: Any) -> ApiError:
     with pytest.raises(ApiError) as info:
-        api.parse_request(obj)
+        codec.parse_request(obj)
     assert info.value.kind is ErrorKind.BAD_REQUEST
     return info.value
 
@@ -36,8 +36,8 @@ def _bad(obj: Any) -> ApiError:
 
 
 def test_frames_split_anywhere_come_out_whole() -> None:
-    frames = b"".join(api.encode_frame({"id": i, "op": "status"}) for i in range(50))
-    reader = api.FrameReader()
+    frames = b"".join(codec.encode_frame({"id": i, "op": "status"}) for i in range(50))
+    reader = codec.FrameReader()
     out: list[Any] = []
     for i in range(len(frames)):  # one byte at a time
         out.extend(reader.feed(frames[i : i + 1]))
@@ -46,7 +46,7 @@ def test_frames_split_anywhere_come_out_whole() -> None:
 
 
 def test_an_oversized_length_is_refused_before_the_body_arrives() -> None:
-    reader = api.FrameReader(max_frame=1024)
+    reader = codec.FrameReader(max_frame=1024)
     with pytest.raises(ApiError) as info:
         reader.feed(struct.pack(">I", 1025))
     assert info.value.reason == "frame_too_large"
@@ -64,18 +64,18 @@ def test_an_oversized_length_is_refused_before_the_body_arrives() -> None:
 )
 def test_undecodable_bodies_are_typed_errors(body: bytes, why: str) -> None:
     with pytest.raises(ApiError) as info:
-        api.FrameReader().feed(struct.pack(">I", len(body)) + body)
+        codec.FrameReader().feed(struct.pack(">I", len(body)) + body)
     assert info.value.reason == "undecodable", why
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=64))
 def test_garbage_never_escapes_as_anything_but_api_error(data: bytes) -> None:
-    reader = api.FrameReader(max_frame=4096)
+    reader = codec.FrameReader(max_frame=4096)
     try:
         for obj in reader.feed(data):
             with contextlib.suppress(ApiError):
-                api.parse_request(obj)
+                codec.parse_request(obj)
     except ApiError:
         pass
 
@@ -103,7 +103,7 @@ def test_every_operation_parses_into_typed_arguments() -> None:
     assert _parse("cancel", target=4).args == {"target": 4}
     for op in ("status", "streams"):
         assert _parse(op).args == {}
-    assert set(api.OPS) == {
+    assert set(codec.OPS) == {
         "status",
         "streams",
         "declare",
@@ -158,13 +158,13 @@ def test_malformed_envelopes_are_refused() -> None:
 
 
 def test_request_builder_drops_none_and_refuses_unknown_ops() -> None:
-    assert api.request(1, "wait", stream="j", epoch=2, timeout=None) == {
+    assert codec.request(1, "wait", stream="j", epoch=2, timeout=None) == {
         "id": 1,
         "op": "wait",
         "args": {"stream": "j", "epoch": 2},
     }
     with pytest.raises(ValueError, match="unknown operation"):
-        api.request(1, "nope")
+        codec.request(1, "nope")
 
 
 # -- replies -------------------------------------------------------------------------------
@@ -172,17 +172,17 @@ def test_request_builder_drops_none_and_refuses_unknown_ops() -> None:
 
 def test_error_replies_round_trip_into_typed_errors() -> None:
     err = ApiError(ErrorKind.REJECTED, "unknown_stream", "stream 'x' is not declared")
-    wire = msgpack.unpackb(api.encode_frame(api.error(5, err))[4:])
-    back = api.error_from_wire(wire["error"])
+    wire = msgpack.unpackb(codec.encode_frame(codec.error(5, err))[4:])
+    back = codec.error_from_wire(wire["error"])
     assert (back.kind, back.reason, str(back)) == (err.kind, err.reason, str(err))
     assert wire["id"] == 5
-    assert api.error_from_wire("junk").kind is ErrorKind.INTERNAL
-    assert api.error_from_wire({"kind": "martian"}).kind is ErrorKind.INTERNAL
+    assert codec.error_from_wire("junk").kind is ErrorKind.INTERNAL
+    assert codec.error_from_wire({"kind": "martian"}).kind is ErrorKind.INTERNAL
 
 
 def test_domain_skew_counts_only_members_that_reported_the_domain() -> None:
     newest = {"a": {"nvme": 10, "s3": 4}, "b": {"nvme": 7}, "c": {}}
-    assert api.domain_skew(newest) == {"nvme": 3, "s3": 0}
+    assert codec.domain_skew(newest) == {"nvme": 3, "s3": 0}
 
 
 def test_the_worked_example_in_local_api_md_matches_the_codec() -> None:
@@ -191,9 +191,17 @@ def test_the_worked_example_in_local_api_md_matches_the_codec() -> None:
     request_hex, reply_hex = (
         "".join(part.split()) for part in block.replace("request:", "").split("reply:")
     )
-    commit = api.request(
+    commit = codec.request(
         1, "commit", stream="job", rank=0, domain="nvme", epoch=5, digest="", size=0
     )
-    assert api.encode_frame(commit).hex() == request_hex
-    reply = api.ok(1, {"stream": "job", "epoch": 5, "durable": True})
-    assert api.encode_frame(reply).hex() == reply_hex
+    assert codec.encode_frame(commit).hex() == request_hex
+    reply = codec.ok(1, {"stream": "job", "epoch": 5, "durable": True})
+    assert codec.encode_frame(reply).hex() == reply_hex
+
+
+def test_every_operation_of_the_codec_has_one_handler_and_a_kind() -> None:
+    from convergenced.daemon.localapi.operations import OPERATIONS, OpKind
+
+    assert set(OPERATIONS) == set(codec.OPS)
+    waits = {op for op, o in OPERATIONS.items() if o.kind is OpKind.WAIT}
+    assert waits == {"wait", "restore_point", "watch"}

@@ -20,7 +20,7 @@ import pytest
 from daemons import LocalCluster, until
 
 from convergenced.client import ApiError, Client, DaemonUnreachable, ErrorKind
-from convergenced.core import api
+from convergenced.core import local_api_codec as codec
 
 
 def _rp(c: Client, stream: str = "job") -> int | None:
@@ -322,7 +322,7 @@ def test_a_stuck_client_is_disconnected_and_never_stalls_the_others() -> None:
         stuck.connect(str(cluster.socket_path(1)))
         # Ask for much more than the daemon will queue for one client, never read.
         burst = b"".join(
-            api.encode_frame(api.request(i, "state", stream="job")) for i in range(1, 5001)
+            codec.encode_frame(codec.request(i, "state", stream="job")) for i in range(1, 5001)
         )
         sender = threading.Thread(target=lambda: _send_quietly(stuck, burst), daemon=True)
         sender.start()
@@ -374,7 +374,7 @@ def test_bad_requests_get_typed_errors_and_change_nothing() -> None:
         ]
         for body, reason in cases:
             with pytest.raises(ApiError) as info:
-                c.call(body["op"], **body["args"]) if body["op"] in api.OPS else _raw(
+                c.call(body["op"], **body["args"]) if body["op"] in codec.OPS else _raw(
                     cluster.socket_path(1), body
                 )
             assert info.value.reason == reason, (body, info.value)
@@ -382,7 +382,7 @@ def test_bad_requests_get_typed_errors_and_change_nothing() -> None:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.connect(str(cluster.socket_path(1)))
             s.sendall((1 << 30).to_bytes(4, "big") + b"x" * 100)
-            reply = api.FrameReader().feed(s.recv(65536))[0]
+            reply = codec.FrameReader().feed(s.recv(65536))[0]
             assert reply["error"]["reason"] == "frame_too_large"
             assert s.recv(65536) == b""
         after = c.state("job")
@@ -392,12 +392,12 @@ def test_bad_requests_get_typed_errors_and_change_nothing() -> None:
 def _raw(path: Path, body: dict[str, Any]) -> None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.connect(str(path))
-        s.sendall(api.encode_frame({"id": 1, **body}))
-        reader = api.FrameReader()
+        s.sendall(codec.encode_frame({"id": 1, **body}))
+        reader = codec.FrameReader()
         while True:
             replies = reader.feed(s.recv(65536))
             if replies:
-                raise api.error_from_wire(replies[0]["error"])
+                raise codec.error_from_wire(replies[0]["error"])
 
 
 # -- signals, reload, start-up errors ------------------------------------------------------

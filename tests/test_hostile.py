@@ -34,7 +34,7 @@ then polls both daemons' state for the whole module. Then:
   TICK; oversized Unix frames; a conflicting declare.
 
 Oracles: the expected outcome of every input is computed with the sans-IO codecs
-(`api.FrameReader` and `parse_request`, `wire.FrameDecoder` and `decode_message`) and
+(`codec.FrameReader` and `parse_request`, `wire.FrameDecoder` and `decode_message`) and
 the link rules of PROTOCOL.md section 9. Over the real sockets the daemon must agree:
 every Unix reply is a well-formed map with a known error kind and the predicted reason,
 the connection ends by itself, and the ``api_errors_<reason>`` counters move by exactly
@@ -46,7 +46,7 @@ change, an error or an answer slower than two seconds. The last test checks that
 warnings about all this were rate-limited.
 
 Three bugs this suite found were fixed: requests before a fatal frame in the same read
-went unanswered (api.FrameReader), peers silent after TLS were not counted at the HELLO
+went unanswered (codec.FrameReader), peers silent after TLS were not counted at the HELLO
 deadline (PeerSession), and connections still in their TLS handshake did not count
 against max_connections (Daemon._accept_peer). Their tests stay.
 
@@ -88,10 +88,11 @@ from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
 from convergenced.client import Client
-from convergenced.core import api, wire
-from convergenced.core.api import ApiError, ErrorKind
+from convergenced.core import local_api_codec as codec
+from convergenced.core import wire
 from convergenced.core.errors import RemoteProtocolError
 from convergenced.core.interval_set import IntervalSet
+from convergenced.core.local_api_codec import ApiError, ErrorKind
 from convergenced.core.messages import Bye, Hello, Message, MessageType, Nudge, Tick, Tock
 from convergenced.core.records import Record
 from convergenced.daemon.config import Limits
@@ -662,7 +663,7 @@ OP_ARGS: dict[str, tuple[str, ...]] = {
     "watch": ("stream",),
     "cancel": ("target",),
 }
-assert set(OP_ARGS) == set(api.OPS)
+assert set(OP_ARGS) == set(codec.OPS)
 
 
 @st.composite
@@ -728,7 +729,7 @@ BAD_VALUES = st.one_of(BAD_NAMES, INTS, FLOATS, VALUES)
 @st.composite
 def request_objs(draw: st.DrawFn, rid: int | None = None) -> Any:
     """A request map: a valid one with zero, one or two fields spoilt, or worse."""
-    op = draw(st.sampled_from(api.OPS)) if draw(st.integers(0, 7)) < 7 else draw(VALUES)
+    op = draw(st.sampled_from(codec.OPS)) if draw(st.integers(0, 7)) < 7 else draw(VALUES)
     names = OP_ARGS.get(op, ()) if isinstance(op, str) else ()
     args: dict[Any, Any] = {n: draw(GOOD_ARGS[n]) for n in names if draw(st.integers(0, 5)) < 5}
     for _ in range(draw(st.sampled_from([0, 0, 0, 1, 1, 2]))):
@@ -901,7 +902,7 @@ class Expect:
 def request_expectation(obj: Any, earlier_tasks: set[int], cancels: bool) -> Expect | None:
     """What one decoded request must get; None when it could change state."""
     try:
-        req = api.parse_request(obj)
+        req = codec.parse_request(obj)
     except ApiError as err:
         return Expect(err.request_id, {f"{err.kind.value}/{err.reason}"})
     stream = req.args.get("stream")
@@ -942,7 +943,7 @@ def unix_oracle(data: bytes) -> list[Expect] | None:
         one = data[pos : pos + LEN.size + n]
         pos += LEN.size + n
         try:
-            objs.extend(api.FrameReader(MAX_FRAME).feed(one))
+            objs.extend(codec.FrameReader(MAX_FRAME).feed(one))
         except ApiError as err:
             fatal = err.reason
             break
@@ -998,7 +999,7 @@ def unix_exchange(path: Path, data: bytes, trickle: bool) -> list[Any]:
             buf += chunk
     finally:
         s.close()
-    reader = api.FrameReader(64 << 20)
+    reader = codec.FrameReader(64 << 20)
     replies = reader.feed(bytes(buf))
     assert reader.buffered == 0, f"a truncated reply: {bytes(buf[-60:])!r}"
     return replies

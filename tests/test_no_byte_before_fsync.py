@@ -17,7 +17,7 @@ import trio
 import trio.testing
 from slowdisk import slow_log
 
-from convergenced.core import api
+from convergenced.core import local_api_codec as codec
 from convergenced.core.admission import Admission
 from convergenced.core.facts import Commit, Declare
 from convergenced.core.gate import OutputGate
@@ -27,7 +27,6 @@ from convergenced.core.records import Record
 from convergenced.core.spec import Policy, StreamSpec
 from convergenced.daemon.config import Limits
 from convergenced.daemon.localapi.operations import LocalOperations
-from convergenced.daemon.localapi.server import LocalApiServer
 from convergenced.daemon.localapi.session import ClientSession
 from convergenced.daemon.peers.session import PeerHub, PeerSession
 from convergenced.daemon.telemetry import Telemetry
@@ -149,18 +148,19 @@ async def test_a_refusal_waits_for_the_fsync_of_what_it_reveals(
     hub = PeerHub(node, gate, commits.durable, LINK, telemetry, tick_seconds=1.0)
     ops = LocalOperations(node, Admission(node, gate), hub, telemetry,
                           durable=commits.durable, status=dict)  # fmt: skip
-    server = LocalApiServer(ops, gate, commits.durable, Limits(), telemetry)
     other = StreamSpec.create("job", {"a": [0, 1], "b": [2]}, Policy.any_of("nvme"))
     client, daemon_side = trio.testing.memory_stream_pair()
-    session = ClientSession(server, daemon_side, commits.durable)  # type: ignore[arg-type]
+    session = ClientSession(
+        daemon_side, ops, gate, commits.durable, limits=Limits(), telemetry=telemetry
+    )
     replies: list[tuple[Any, bool]] = []
     async with trio.open_nursery() as nursery:
         nursery.start_soon(session.run)
         await client.send_all(
-            api.encode_frame(api.request(1, "declare", spec=PAIR.to_wire()))
-            + api.encode_frame(api.request(2, "declare", spec=other.to_wire()))
+            codec.encode_frame(codec.request(1, "declare", spec=PAIR.to_wire()))
+            + codec.encode_frame(codec.request(2, "declare", spec=other.to_wire()))
         )
-        reader = api.FrameReader()
+        reader = codec.FrameReader()
         while len(replies) < 2:
             for reply in reader.feed(await client.receive_some(65536)):
                 replies.append((reply, Declare(PAIR) in witness.durable))

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from convergenced.core.api import ApiError, ErrorKind
 from convergenced.core.errors import FactError, SpecConflictError, SpecError
 from convergenced.core.facts import Commit, Declare, Fact, Retire, Retract
 from convergenced.core.gate import OutputGate
+from convergenced.core.local_api_codec import ApiError, ErrorKind
 from convergenced.core.node import NodeCore
 
 DEFAULT_MAX_STREAMS = 1024

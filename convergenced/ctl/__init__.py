@@ -15,7 +15,7 @@ from convergenced.ctl.formatting import (
     format_status,
     format_watch_event,
 )
-from convergenced.ctl.main import COMMANDS, Command, main
+from convergenced.ctl.commands import COMMANDS, Command, main
 from convergenced.ctl.parser import (
     EXIT_CODES_HELP,
     EXIT_FAILED,

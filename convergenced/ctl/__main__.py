@@ -2,6 +2,6 @@
 
 import sys
 
-from convergenced.ctl.main import main
+from convergenced.ctl.commands import main
 
 sys.exit(main())

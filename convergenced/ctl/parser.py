@@ -4,7 +4,7 @@ spec ``declare`` sends (read from a JSON or TOML file, or built from the inline 
 Everything here happens before the daemon is asked anything, so whatever goes wrong here
 is a usage error (`UsageError`, exit 2), never a failed request. The exit codes live here
 too, next to the help text that lists them in every subcommand's epilog; the modules
-that run the commands (`convergenced.ctl.top`, `convergenced.ctl.main`) return them.
+that run the commands (`convergenced.ctl.top`, `convergenced.ctl.commands`) return them.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ from types import TracebackType
 from typing import Any, NamedTuple, Protocol
 
 from convergenced import fsutil
-from convergenced.core.api import ApiError, ErrorKind
+from convergenced.core.local_api_codec import ApiError, ErrorKind
 from convergenced.integrations.errors import (
     CheckpointError,
     CorruptShardError,

@@ -20,11 +20,11 @@ import gc
 import math
 from dataclasses import dataclass, field
 
-from convergenced.core.api import ApiError
 from convergenced.core.errors import FactError
 from convergenced.core.facts import Commit, Declare, Fact, Retire
 from convergenced.core.interval_set import IntervalSet
 from convergenced.core.link import LinkConfig
+from convergenced.core.local_api_codec import ApiError
 from convergenced.core.node import GenerationResolved, RestorePointChanged
 from convergenced.core.overlay import DEFAULT_MESH_LIMIT, links
 from convergenced.core.records import Record

@@ -30,11 +30,11 @@ from typing import Any
 
 import trio
 
-from convergenced.core import api
+from convergenced.core import local_api_codec as codec
 from convergenced.core.admission import Admission, rejected
-from convergenced.core.api import ApiError, ErrorKind
 from convergenced.core.errors import FactError
 from convergenced.core.facts import Fact
+from convergenced.core.local_api_codec import ApiError, ErrorKind
 from convergenced.core.node import NodeCore
 from convergenced.daemon.peers.session import PeerHub
 from convergenced.daemon.telemetry import Telemetry
@@ -108,7 +108,7 @@ class LocalOperations:
     def state(self, stream: str) -> dict[str, Any]:
         """The state of ``stream`` as this node sees it."""
         self.admission.known(stream)
-        return api.status_to_wire(self.node.status(stream))
+        return codec.status_to_wire(self.node.status(stream))
 
     def streams(self) -> list[str]:
         """Streams declared on this node."""
@@ -166,7 +166,7 @@ class LocalOperations:
                     await self.durable()
                     if fact is not None:
                         self.telemetry.recovered(stream, trio.current_time() - started)
-                    return api.generation_to_wire(stream, answer)
+                    return codec.generation_to_wire(stream, answer)
                 await self.hub.wait_changed()
         answer = self.node.generation(stream, generation)
         raise ApiError(

@@ -21,9 +21,9 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import trio
 
-from convergenced.core import api
-from convergenced.core.api import ApiError, ErrorKind
+from convergenced.core import local_api_codec as codec
 from convergenced.core.gate import OutputGate
+from convergenced.core.local_api_codec import ApiError, ErrorKind
 from convergenced.daemon.config import Limits
 from convergenced.daemon.localapi import peercred
 from convergenced.daemon.localapi.operations import LocalOperations
@@ -55,7 +55,6 @@ class LocalApiServer:
         self.allowed_gids = frozenset(allowed_gids)
         self.sessions: set[ClientSession] = set()
         self.shutting_down = False
-        self.disconnected_slow = 0
 
     def check_peer(self, stream: trio.SocketStream) -> ApiError | None:
         """None when the connected process may use the daemon, else the error to send."""
@@ -100,7 +99,8 @@ class LocalApiServer:
             )
             await self._refuse(stream, err)
             return
-        session = ClientSession(self, stream, self.durable)
+        session = ClientSession(stream, self.operations, self.gate, self.durable,
+                                limits=self.limits, telemetry=self.telemetry)  # fmt: skip
         self.sessions.add(session)
         try:
             await session.run()
@@ -117,7 +117,7 @@ class LocalApiServer:
         self.telemetry.api_error(err.reason)
         with trio.move_on_after(1):
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                await stream.send_all(api.encode_frame(api.error(None, err)))
+                await stream.send_all(codec.encode_frame(codec.error(None, err)))
                 await stream.send_eof()
                 while await stream.receive_some(65536):
                     pass

@@ -21,17 +21,22 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 import trio
 
-from convergenced.core import api
-from convergenced.core.api import ApiError, ErrorKind, Request
-from convergenced.daemon.localapi.operations import OPERATIONS, OpKind, log_failed
-
-if TYPE_CHECKING:
-    from convergenced.daemon.localapi.server import LocalApiServer
+from convergenced.core import local_api_codec as codec
+from convergenced.core.gate import OutputGate
+from convergenced.core.local_api_codec import ApiError, ErrorKind, Request
+from convergenced.daemon.config import Limits
+from convergenced.daemon.localapi.operations import (
+    OPERATIONS,
+    LocalOperations,
+    OpKind,
+    log_failed,
+)
+from convergenced.daemon.telemetry import Telemetry
 
 log = structlog.get_logger("convergenced.api")
 
@@ -41,15 +46,21 @@ class ClientSession:
 
     def __init__(
         self,
-        server: LocalApiServer,
-        stream: trio.SocketStream,
+        stream: trio.abc.Stream,
+        operations: LocalOperations,
+        gate: OutputGate,
         durable: Callable[[int], Awaitable[None]],
+        *,
+        limits: Limits,
+        telemetry: Telemetry,
     ) -> None:
-        self.server = server
         self.stream = stream
-        self.limit = server.limits.client_queue
+        self.operations = operations
+        self.limits = limits
+        self.telemetry = telemetry
+        self.limit = limits.client_queue
         self._durable = durable
-        self._out = server.gate.output()
+        self._out = gate.output()
         self._ready = trio.Event()
         self._drained = trio.Event()
         self._sending = False
@@ -95,10 +106,10 @@ class ClientSession:
     # -- reading ---------------------------------------------------------------
 
     async def _reader(self) -> None:
-        reader = api.FrameReader(self.server.limits.max_frame_bytes)
+        reader = codec.FrameReader(self.limits.max_frame_bytes)
         while True:
             try:
-                data = await self.stream.receive_some(65536)
+                data = bytes(await self.stream.receive_some(65536))
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return
             if not data:
@@ -122,13 +133,14 @@ class ClientSession:
 
     async def _dispatch(self, obj: Any) -> None:
         try:
-            req = api.parse_request(obj)
+            req = codec.parse_request(obj)
         except ApiError as err:
             self._fail(err.request_id, err)
             return
         if req.id in self._inflight:
             self._fail(
-                req.id, api.bad_request(f"request id {req.id} is already in flight", "duplicate_id")
+                req.id,
+                codec.bad_request(f"request id {req.id} is already in flight", "duplicate_id"),
             )
             return
         op = OPERATIONS[req.op]
@@ -136,15 +148,15 @@ class ClientSession:
             target = self._inflight.get(req.args["target"])
             if target is not None:
                 target[1].cancel()
-            self._reply(api.ok(req.id, {"cancelled": target is not None}))
+            self._reply(codec.ok(req.id, {"cancelled": target is not None}))
             return
-        if self.server.shutting_down:
+        if self._draining:
             down = ApiError(ErrorKind.UNAVAILABLE, "shutting_down", "daemon is shutting down")
             self._fail(req.id, down)
             return
         if op.kind is not OpKind.WAIT:
             try:
-                self._reply(api.ok(req.id, op.run(self.server.operations, req.args, _no_events)))
+                self._reply(codec.ok(req.id, op.run(self.operations, req.args, _no_events)))
             except ApiError as err:
                 self._fail(req.id, err)
             return
@@ -156,16 +168,16 @@ class ClientSession:
         self._nursery.start_soon(self._wait, req, scope)
 
     async def _wait(self, req: Request, scope: trio.CancelScope) -> None:
-        emit = lambda ev: self._reply(api.event(req.id, ev))  # noqa: E731
+        emit = lambda ev: self._reply(codec.event(req.id, ev))  # noqa: E731
         try:
             with scope:
                 try:
-                    result = await OPERATIONS[req.op].run(self.server.operations, req.args, emit)
-                    self._reply(api.ok(req.id, result))
+                    result = await OPERATIONS[req.op].run(self.operations, req.args, emit)
+                    self._reply(codec.ok(req.id, result))
                 except ApiError as err:
                     self._fail(req.id, err)
                 except Exception as exc:  # a bug: answer it, log it, keep serving
-                    if self.server.telemetry.may_warn("internal"):
+                    if self.telemetry.may_warn("internal"):
                         log.exception("request failed", op=req.op, request=req.id)
                     text = f"{type(exc).__name__}: {exc}"
                     self._fail(req.id, ApiError(ErrorKind.INTERNAL, "internal", text))
@@ -190,11 +202,11 @@ class ClientSession:
     # -- writing -------------------------------------------------------------------
 
     def _fail(self, rid: int | None, err: ApiError) -> None:
-        self.server.telemetry.api_error(err.reason)
-        self._reply(api.error(rid, err))
+        self.telemetry.api_error(err.reason)
+        self._reply(codec.error(rid, err))
 
     def _reply(self, msg: dict[str, Any]) -> None:
-        self._out.send(api.encode_frame(msg))
+        self._out.send(codec.encode_frame(msg))
         self._ready.set()
         if len(self._out) > self.limit:
             self._stuck()
@@ -203,9 +215,8 @@ class ClientSession:
         """Disconnect the client if it stopped reading (see the module docstring)."""
         if not self._sending:
             return False
-        self.server.disconnected_slow += 1
-        self.server.telemetry.api_error("client_too_slow")
-        self.server.telemetry.warn(
+        self.telemetry.api_error("client_too_slow")
+        self.telemetry.warn(
             "client_too_slow", "client too slow; disconnecting", queued=len(self._out)
         )
         self.kill()
@@ -242,12 +253,12 @@ class ClientSession:
 
     async def _answer_held(self, err: ApiError) -> None:
         """The log failed: what waits for it never leaves; its requests get ``err``."""
-        frames = api.FrameReader(1 << 30).feed(b"".join(self._out.discard()))
+        frames = codec.FrameReader(1 << 30).feed(b"".join(self._out.discard()))
         ids = [f.get("id") for f in frames if isinstance(f, dict) and "event" not in f]
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             for rid in ids:
-                self.server.telemetry.api_error(err.reason)
-                await self.stream.send_all(api.encode_frame(api.error(rid, err)))
+                self.telemetry.api_error(err.reason)
+                await self.stream.send_all(codec.encode_frame(codec.error(rid, err)))
         self.kill()
 
 

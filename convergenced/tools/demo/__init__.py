@@ -33,7 +33,7 @@ plan and the trainer threads), `story` (the run, its progress output and its che
 
 from __future__ import annotations
 
-from convergenced.tools.demo.main import main, run_demo
+from convergenced.tools.demo.command import main, run_demo
 from convergenced.tools.demo.options import DESCRIPTION, HELP, Options, add_arguments
 from convergenced.tools.demo.result import DemoResult
 from convergenced.tools.demo.trainer import (

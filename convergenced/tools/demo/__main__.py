@@ -2,6 +2,6 @@
 
 import sys
 
-from convergenced.tools.demo.main import main
+from convergenced.tools.demo.command import main
 
 sys.exit(main())

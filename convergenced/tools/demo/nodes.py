@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from convergenced.client import Client, DaemonUnreachable
-from convergenced.core.api import ApiError
+from convergenced.core.local_api_codec import ApiError
 from convergenced.tools.cluster import (
     free_base_port,
     node_name,

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from convergenced.client import Client, DaemonUnreachable
-from convergenced.core.api import ApiError
+from convergenced.core.local_api_codec import ApiError
 from convergenced.errors import ConvergencedError
 from convergenced.integrations.files import (
     CorruptShardError,
