@@ -1,24 +1,37 @@
-"""Peer sessions over real loopback TCP: two and three nodes agree, links survive
-a peer going away, and a protocol violation closes only that link."""
+"""Peer sessions and dialling: nodes agree over their links, a relay carries records
+between nodes that are not linked, a protocol violation closes only that link, a
+closed peer ends the session with its reason, and the dialler backs off and redials.
+
+This is the adapters' logic, so it runs over trio memory streams under `MockClock`
+(heartbeats and timeouts take no real time); real TCP and TLS are exercised by the
+daemon tests (tests/test_daemon.py, tests/test_secure_daemon.py, tests/test_hostile.py).
+"""
 
 from __future__ import annotations
 
 import random
-from functools import partial
 
+import pytest
 import trio
+import trio.testing
 
 from convergenced.core.facts import Commit, Declare
 from convergenced.core.gate import OutputGate
 from convergenced.core.link import LinkConfig, Role
 from convergenced.core.node import NodeCore
 from convergenced.core.spec import Policy, StreamSpec
-from convergenced.daemon.peers.dialer import Backoff
+from convergenced.daemon.config import Peer
+from convergenced.daemon.peers.dialer import Backoff, dial_forever
 from convergenced.daemon.peers.session import PeerHub, PeerSession
 from convergenced.daemon.telemetry import Telemetry
 
 SPEC = StreamSpec.create("job", {"a": [0], "b": [1], "c": [2]}, Policy.all_of("nvme"))
 TICK = 0.02
+
+
+@pytest.fixture
+def autojump_clock() -> trio.testing.MockClock:
+    return trio.testing.MockClock(autojump_threshold=0)
 
 
 def _hub(name: str, spec: StreamSpec = SPEC) -> PeerHub:
@@ -33,19 +46,14 @@ def _hub(name: str, spec: StreamSpec = SPEC) -> PeerHub:
     return PeerHub(node, gate, durable, config, Telemetry(), tick_seconds=TICK)
 
 
-async def _serve(hub: PeerHub, nursery: trio.Nursery) -> int:
-    async def handler(stream: trio.SocketStream) -> None:
-        await PeerSession(hub, stream, Role.ACCEPTOR).run()
-
-    listeners = await nursery.start(partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
-    return int(listeners[0].socket.getsockname()[1])
-
-
-async def _dial(hub: PeerHub, port: int, nursery: trio.Nursery) -> PeerSession:
-    stream = await trio.open_tcp_stream("127.0.0.1", port)
-    session = PeerSession(hub, stream, Role.INITIATOR)
-    nursery.start_soon(session.run)
-    return session
+def _link(a: PeerHub, b: PeerHub, nursery: trio.Nursery) -> tuple[PeerSession, PeerSession]:
+    """Connect ``a`` (dialling) to ``b`` over a memory stream pair."""
+    left, right = trio.testing.memory_stream_pair()
+    sa = PeerSession(a, left, Role.INITIATOR)
+    sb = PeerSession(b, right, Role.ACCEPTOR)
+    nursery.start_soon(sa.run)
+    nursery.start_soon(sb.run)
+    return sa, sb
 
 
 def _commit(hub: PeerHub, rank: int, epoch: int) -> None:
@@ -59,65 +67,119 @@ async def _until(predicate: object) -> None:
         await trio.sleep(0.005)
 
 
-async def test_three_nodes_over_tcp_agree_on_the_restore_point() -> None:
+async def test_three_nodes_agree_on_the_restore_point(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     a, b, c = _hub("a"), _hub("b"), _hub("c")
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
-            port_b = await _serve(b, nursery)
-            port_c = await _serve(c, nursery)
-            await _dial(a, port_b, nursery)
-            await _dial(a, port_c, nursery)
-            await _dial(b, port_c, nursery)
+            _link(a, b, nursery)
+            _link(a, c, nursery)
+            _link(b, c, nursery)
             for epoch in (1, 2, 3):
                 for rank, hub in enumerate((a, b, c)):
                     _commit(hub, rank, epoch)
             await _until(lambda: all(h.node.restore_point("job") == 3 for h in (a, b, c)))
             # ... and the views become identical once the last proposals settle.
             await _until(lambda: a.node.view.digest == b.node.view.digest == c.node.view.digest)
+            assert a.node.neighbours == {"b", "c"}
             nursery.cancel_scope.cancel()
 
 
-async def test_a_relay_carries_records_between_nodes_that_are_not_linked() -> None:
+async def test_a_relay_carries_records_between_nodes_that_are_not_linked(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     a, b, c = _hub("a"), _hub("b"), _hub("c")
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
-            port_b = await _serve(b, nursery)
-            await _dial(a, port_b, nursery)
-            await _dial(c, port_b, nursery)  # a - b - c: b relays
+            _link(a, b, nursery)
+            _link(c, b, nursery)  # a - b - c: b relays
             for rank, hub in enumerate((a, b, c)):
                 _commit(hub, rank, 7)
             await _until(lambda: all(h.node.restore_point("job") == 7 for h in (a, b, c)))
             nursery.cancel_scope.cancel()
 
 
-async def test_a_peer_that_sends_garbage_is_closed_and_the_others_carry_on() -> None:
+async def test_a_peer_that_sends_garbage_is_closed_and_the_others_carry_on(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     a, b = _hub("a"), _hub("b")
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
-            port_b = await _serve(b, nursery)
-            async with await trio.open_tcp_stream("127.0.0.1", port_b) as rogue:
-                await rogue.send_all(b"GET / HTTP/1.1\r\n\r\n")
-                reply = b""
-                while chunk := await rogue.receive_some(4096):  # HELLO, BYE, then EOF
-                    reply += chunk
+            rogue, theirs = trio.testing.memory_stream_pair()
+            nursery.start_soon(PeerSession(b, theirs, Role.ACCEPTOR).run)
+            await rogue.send_all(b"GET / HTTP/1.1\r\n\r\n")
+            reply = b""
+            while chunk := await rogue.receive_some(4096):  # HELLO, BYE, then EOF
+                reply += chunk
             assert b"bad_magic" in reply
-            await _dial(a, port_b, nursery)
+            assert b.telemetry.counters() == {"peer_rejected_bad_magic": 1}
+            _link(a, b, nursery)
             _commit(a, 0, 1)
             await _until(lambda: b.node.view.get(("job", "a")) is not None)
             nursery.cancel_scope.cancel()
 
 
-async def test_a_closed_peer_ends_the_session_with_a_reason() -> None:
+async def test_a_closed_peer_ends_the_session_with_a_reason(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     a, b = _hub("a"), _hub("b")
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
-            port_b = await _serve(b, nursery)
-            session = await _dial(a, port_b, nursery)
+            session, theirs = _link(a, b, nursery)
             await _until(lambda: session.peer == "b")
-            for s in list(b.sessions):
-                await s.close("maintenance")
+            await theirs.close("maintenance")
             await _until(lambda: session.closed_reason is not None)
             assert "maintenance" in (session.closed_reason or "")
+            assert a.node.neighbours == frozenset()
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_silent_peer_is_declared_down_after_dead_ticks(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    a = _hub("a")
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            ours, silent = trio.testing.memory_stream_pair()
+            session = PeerSession(a, ours, Role.INITIATOR)
+            nursery.start_soon(session.run)
+            started = trio.current_time()
+            await _until(lambda: session.closed_reason is not None)
+            assert "link declared down" in (session.closed_reason or "")
+            dead = a.link_config.dead_ticks * TICK
+            assert dead <= trio.current_time() - started < dead + 2 * TICK
+            nursery.cancel_scope.cancel()
+            await silent.aclose()
+
+
+async def test_the_dialler_backs_off_after_failures_and_redials_a_lost_link(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    a, b = _hub("a"), _hub("b")
+    attempts: list[float] = []
+    theirs: list[PeerSession] = []
+
+    async def connect(peer: Peer) -> trio.abc.Stream:
+        attempts.append(trio.current_time())
+        if len(attempts) <= 2:
+            raise OSError(111, "Connection refused")
+        left, right = trio.testing.memory_stream_pair()
+        session = PeerSession(b, right, Role.ACCEPTOR)
+        theirs.append(session)
+        nursery.start_soon(session.run)
+        return left
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            backoff = Backoff(initial=0.1, maximum=1.0, rng=random.Random(3))
+            nursery.start_soon(lambda: dial_forever(a, Peer("b", "b.example", 1), connect=connect,
+                                                    backoff=backoff))  # fmt: skip
+            await _until(lambda: a.node.neighbours == {"b"})
+            assert attempts[1] - attempts[0] >= 0.05 and attempts[2] - attempts[1] >= 0.1
+            await theirs[0].close("restart")  # the peer goes away: a dials again
+            await _until(lambda: len(theirs) == 2 and a.node.neighbours == {"b"})
+            assert a.telemetry.counters()["peer_reconnects"] == 1
             nursery.cancel_scope.cancel()
 
 

@@ -7,6 +7,7 @@ command is split along its ideas: `parser` (arguments, spec files, exit codes),
 names are re-exported here, where they lived before the split.
 """
 
+from convergenced.ctl.commands import COMMANDS, Command, main
 from convergenced.ctl.formatting import (
     format_duration,
     format_intervals,
@@ -15,7 +16,6 @@ from convergenced.ctl.formatting import (
     format_status,
     format_watch_event,
 )
-from convergenced.ctl.commands import COMMANDS, Command, main
 from convergenced.ctl.parser import (
     EXIT_CODES_HELP,
     EXIT_FAILED,
