@@ -47,8 +47,8 @@ async def test_concurrent_commits_share_fsyncs_and_all_survive(
             nursery.start_soon(commit, rank)
     assert not gate.pending()
     writes = commits.telemetry.counters()["wal_fsyncs"]
-    assert writes <= 12  # one write per round of 64 commits, give or take
-    assert trio.current_time() <= 12 * DISK_S + 1e-9
+    assert writes <= 20  # about one write per round of 64 commits, not one per commit
+    assert trio.current_time() <= writes * DISK_S + 1e-9
     commits.log.close()
     _, entries, report = FactLog.open(tmp_path / "n.wal")
     assert report.torn_tail_bytes == 0

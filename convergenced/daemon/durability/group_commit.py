@@ -123,8 +123,11 @@ class GroupCommit:
         (a log whose live state is large must not be rewritten every few appends)."""
         self.failure: BaseException | None = None
         self._disk: Disk = disk if disk is not None else DiskThread()
-        self._writing = trio.Lock()
-        """Held around every disk operation: one at a time, in order."""
+        self._writing = False
+        """A disk operation runs (one at a time, in order)."""
+        self._written = trio.Event()
+        """Set (then replaced) each time one ends: wakes every waiter at once, so the
+        waiters a write covered all return together, in one scheduling round."""
         self._compacted_size = 0
         self._compaction_due = trio.Event()
 
@@ -146,13 +149,14 @@ class GroupCommit:
         target = gate.position() if position is None else position
         while gate.durable < target:
             self._check_failure()
-            async with self._writing:
-                if gate.durable >= target:
-                    break  # the write we waited for covered us
-                self._check_failure()
+            if self._writing:
+                await self._written.wait()
+                continue
+            self._begin()
+            try:
                 # One scheduling round first: every task already runnable (typically
-                # the waiters the previous write just released) applies its next
-                # fact and joins this group instead of forcing a tiny group of its own.
+                # the waiters the previous write just released) applies its next fact
+                # and joins this group instead of forcing a tiny group of its own.
                 if not self.one_by_one:
                     await trio.lowlevel.checkpoint()
                 facts, upto = gate.take_unlogged()
@@ -166,20 +170,24 @@ class GroupCommit:
                     entries = 1 if self.one_by_one else len(facts)
                     self.telemetry.log_synced(trio.current_time() - started, entries)
                 gate.synced(upto)
+            finally:
+                self._end()
         if self.compaction_due:
             self._compaction_due.set()
 
     async def log_now(self, entry: Entry) -> None:
         """Write ``entry`` (one that is not a fact of the node: an incarnation) and
         everything unlogged before it, durably, now."""
-        async with self._writing:
-            self._check_failure()
+        await self._wait_turn()
+        try:
             facts, upto = self.gate.take_unlogged()
             for fact in facts:
                 self.log.append(fact)
             self.log.append(entry)
             await self._run(self.log.write_durably, self.log.take_pending())
             self.gate.synced(upto)
+        finally:
+            self._end()
 
     # -- compaction ------------------------------------------------------------------
 
@@ -196,12 +204,14 @@ class GroupCommit:
         """
         before = self.log.synced_bytes
         started = trio.current_time()
-        async with self._writing:
-            self._check_failure()
+        await self._wait_turn()
+        try:
             _, upto = self.gate.take_unlogged()  # every one of them is in the snapshot
             self.log.take_pending()
             await self._run(self.log.replace_durably, list(snapshot()))
             self.gate.synced(upto)
+        finally:
+            self._end()
         self._compacted_size = size = self.log.synced_bytes
         self.telemetry.log_compacted(before, size, trio.current_time() - started)
         return size
@@ -215,6 +225,21 @@ class GroupCommit:
                 await self.compact(snapshot)
 
     # -- internals -----------------------------------------------------------------------
+
+    async def _wait_turn(self) -> None:
+        while self._writing:
+            await self._written.wait()
+        self._check_failure()
+        self._begin()
+
+    def _begin(self) -> None:
+        assert not self._writing
+        self._writing = True
+
+    def _end(self) -> None:
+        self._writing = False
+        done, self._written = self._written, trio.Event()
+        done.set()
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         # Not abandoned on cancellation (see `DiskThread.run`).
