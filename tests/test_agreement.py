@@ -988,3 +988,36 @@ def test_closing_old_generations_survives_a_restart() -> None:
         restarted.freeze_fact("restart", 1)
     with pytest.raises(GenerationClosedError):
         restarted.generation("restart", 1)
+
+
+def test_members_that_freeze_apart_still_share_the_epoch_the_first_one_froze() -> None:
+    # a asks first and freezes {5}; commits go on to 8; b asks later. Cut at its own
+    # high-water mark alone, b would freeze {8}: disjoint sets, no restore point,
+    # although 5 is on every member and nobody may delete it.
+    n = cluster(retention=0)
+    a, b = n["a"], n["b"]
+    commit(a, *range(1, 6))
+    commit(b, *range(1, 6))
+    sync(a, b)
+    assert freeze(a, 1).epochs == IntervalSet.of(5)
+    commit(a, 6, 7, 8)
+    commit(b, 6, 7, 8)
+    sync(a, b)
+    assert rp(b) == 8
+    assert freeze(b, 1).epochs == IntervalSet.of(5, 8)
+    sync(a, b)
+    assert a.generation(STREAM, 1).restore_point == b.generation(STREAM, 1).restore_point == 5
+
+
+def test_a_frozen_set_takes_from_other_members_only_epochs_it_holds() -> None:
+    n = cluster(retention=0)
+    a, b = n["a"], n["b"]
+    commit(a, *range(1, 6))
+    commit(b, *range(1, 6))
+    sync(a, b)
+    freeze(a, 1)  # {5}
+    retract(b, 5)  # b lost 5 meanwhile
+    commit(a, 6)
+    commit(b, 6)
+    sync(a, b)
+    assert 5 not in freeze(b, 1).epochs

@@ -296,9 +296,12 @@ class NodeCore:
     def freeze_fact(self, stream: str, generation: int) -> Freeze | None:
         """The `Freeze` fact to persist for our first request of ``generation``.
 
-        Returns None when we froze that generation already. The frozen set is our
-        recoverable set cut at our rollback floor, so no member can have deleted
-        any epoch in it (see `agreement`).
+        Returns None when we froze that generation already. The frozen set holds the
+        recoverable epochs this node can never have declared safe to delete: those at
+        or above its own high-water mark minus the retention, and those in the frozen
+        set another member already published for this generation (`generations`,
+        rule 1). A member that asks later, while the restore point moved on, still
+        shares the epochs the earlier ones froze.
 
         Raises:
             UnknownStreamError: the stream is not declared here.
@@ -307,11 +310,14 @@ class NodeCore:
         st = self._stream(stream)
         if not st.generations.needs_freeze(generation):
             return None
-        epochs = st.facts.recoverable.newest_ranges(MAX_RANGES)
+        recoverable = st.facts.recoverable
         hw = st.facts.high_water
-        if hw is not None:
-            epochs = epochs.at_least(hw - st.facts.spec.retention)
-        return Freeze(stream, generation, epochs)
+        if hw is None:
+            return Freeze(stream, generation, recoverable.newest_ranges(MAX_RANGES))
+        floor = hw - st.facts.spec.retention
+        others = [s for m, s in self._frozen_sets(st, generation) if m != self.node_id and s]
+        epochs = recoverable.at_least(floor) | (recoverable & IntervalSet.union_all(others))
+        return Freeze(stream, generation, epochs.newest_ranges(MAX_RANGES))
 
     def compacted_facts(self) -> list[Fact]:
         """The shortest list of facts whose `replay` rebuilds this node's local state.
