@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from functools import partial
 
 import structlog
 import trio
@@ -37,14 +36,6 @@ class HttpEndpoint:
         self.healthy = healthy
         self.ready = ready
         self._slots = trio.Semaphore(MAX_CONCURRENT)
-
-    async def listen(
-        self, host: str, port: int, nursery: trio.Nursery
-    ) -> list[trio.SocketListener]:
-        """Bind and start serving in ``nursery``; return the listeners."""
-        listeners = await trio.open_tcp_listeners(port, host=host)
-        nursery.start_soon(partial(trio.serve_listeners, self.handle, listeners))
-        return listeners
 
     async def handle(self, stream: trio.SocketStream) -> None:
         """Answer one request."""

@@ -1,12 +1,19 @@
 """The daemon process: start-up, serving, graceful stop and reload.
 
-Start-up order matters for the durability promise:
+Start-up order matters for the durability promise, and a start that fails must leave
+the state directory as it was (no log created, no incarnation spent):
 
-1. lock the state directory (one daemon per directory);
-2. open the write-ahead log (truncating a torn tail, refusing damage) and rebuild
-   the node from it (`wiring.assemble`);
-3. log and fsync the new incarnation *before* any record of it can leave;
-4. bind the peer listener and the local socket, then dial peers.
+1. if a daemon used the state directory before, take its lock now (one daemon per
+   directory), so a second daemon on it is refused before anything else;
+2. load the certificates and keys and bind every listener (peers, the local socket,
+   metrics), accepting nothing yet: a wrong key file or a busy port stops the start
+   here, and nothing has been written;
+3. take the lock (creating the state directory and its lock file on a first start),
+   open the write-ahead log (creating it, truncating a torn tail, refusing damage) and
+   rebuild the node from it (`wiring.assemble`);
+4. log and fsync the new incarnation *before* any record of it can leave: only then
+   are connections accepted (those that arrived meanwhile wait in the listeners'
+   backlogs), metrics served and peers dialled.
 
 Shutdown on SIGTERM or SIGINT (`Daemon.stop`): stop accepting, answer in-flight
 requests (state changes run to their acknowledgement, waits and watches end with
@@ -20,9 +27,8 @@ from __future__ import annotations
 import fcntl
 import os
 import signal
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
-from dataclasses import replace
+from contextlib import suppress
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -40,7 +46,7 @@ from convergenced.daemon.http import HttpEndpoint
 from convergenced.daemon.localapi.unix_socket import open_unix_listener
 from convergenced.daemon.notify import Notifier
 from convergenced.daemon.peers.manager import link_config
-from convergenced.daemon.peers.security import load_security
+from convergenced.daemon.peers.security import PeerSecurity, load_security
 from convergenced.daemon.telemetry import Telemetry
 from convergenced.daemon.wiring import Running, assemble
 from convergenced.errors import StartupError
@@ -60,20 +66,116 @@ RESTART_TO_CHANGE = (
 """Settings a reload cannot change (the daemon keeps running the old ones)."""
 
 
-@contextmanager
-def _state_lock(state_dir: Path) -> Iterator[None]:
-    state_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
-    fd = os.open(state_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o640)
-    try:
+class _StateLock:
+    """The lock that keeps a state directory to one daemon, taken in two steps.
+
+    `take_if_used` locks a directory some daemon used before (its lock file exists)
+    without writing anything, so a second daemon is refused first; `take` creates
+    the directory and the lock file on a first start, once nothing else can fail.
+    """
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        self._fd: int | None = None
+
+    def take_if_used(self) -> None:
+        """Lock the state directory if its lock file exists (writing nothing).
+
+        Raises:
+            StartupError: another daemon holds it.
+        """
+        try:
+            fd = os.open(self.state_dir / LOCK_NAME, os.O_RDWR)
+        except FileNotFoundError:
+            return
+        self._lock(fd)
+
+    def take(self) -> None:
+        """Lock the state directory, creating it and its lock file if missing.
+
+        Raises:
+            StartupError: another daemon holds it.
+        """
+        if self._fd is not None:
+            return
+        self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
+        self._lock(os.open(self.state_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o640))
+
+    def _lock(self, fd: int) -> None:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            os.close(fd)
             raise StartupError(
-                f"{state_dir}: another convergenced already uses this state directory"
+                f"{self.state_dir}: another convergenced already uses this state directory"
             ) from None
-        yield
-    finally:
-        os.close(fd)
+        self._fd = fd
+
+    def release(self) -> None:
+        """Unlock (closing the file releases the lock)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+@dataclass
+class _Listeners:
+    """Every listener of a daemon, bound before anything is written (see the module
+    docstring) and served once the incarnation is durable."""
+
+    peers: list[trio.SocketListener]
+    local: trio.SocketListener
+    local_path: Path
+    metrics: list[trio.SocketListener]
+
+    async def aclose(self) -> None:
+        """Close them all and remove the local socket (ours: it was bound here)."""
+        with trio.CancelScope(shield=True):
+            for listener in [*self.peers, self.local, *self.metrics]:
+                await listener.aclose()
+            with suppress(OSError):
+                self.local_path.unlink()
+
+
+async def _bind(cfg: Config) -> _Listeners:
+    """Bind the peer port, the metrics port, then the local socket (the one that
+    leaves a file behind, so it comes last); on failure close what was bound.
+
+    Raises:
+        StartupError: naming the address that cannot be bound and why.
+    """
+    bound: list[trio.SocketListener] = []
+    try:
+        try:
+            peers = await trio.open_tcp_listeners(cfg.listen_port, host=cfg.listen_host)
+        except OSError as exc:
+            raise StartupError(
+                f"cannot listen for peers on {cfg.listen_host}:{cfg.listen_port}: {_why(exc)}"
+            ) from None
+        bound += peers
+        metrics: list[trio.SocketListener] = []
+        if cfg.metrics_listen is not None:
+            host, port = cfg.metrics_listen
+            try:
+                metrics = await trio.open_tcp_listeners(port, host=host)
+            except OSError as exc:
+                raise StartupError(f"cannot serve metrics on {host}:{port}: {_why(exc)}") from None
+            bound += metrics
+        try:
+            local = await open_unix_listener(cfg.socket_path)
+        except OSError as exc:
+            raise StartupError(f"cannot listen on {cfg.socket_path}: {exc}") from None
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            for listener in bound:
+                await listener.aclose()
+        raise
+    return _Listeners(peers, local, cfg.socket_path, metrics)
+
+
+def _why(exc: OSError) -> str:
+    """``Address already in use``, not ``[Errno 98] Address already in use``."""
+    return exc.strerror or str(exc)
 
 
 class Daemon:
@@ -105,23 +207,46 @@ class Daemon:
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until stopped. ``task_status.started`` fires once listeners are bound.
 
+        A start that fails writes nothing (see the module docstring).
+
         Raises:
             StartupError: the state directory is in use, a listener cannot bind, a
                 key file is wrong.
             WalCorruptError: the log is damaged where acknowledged facts live.
         """
         cfg = self.config
-        with _state_lock(cfg.state_dir):
-            wal, entries, report = FactLog.open(cfg.state_dir / WAL_NAME)
+        lock = _StateLock(cfg.state_dir)
+        try:
+            lock.take_if_used()
+            telemetry = Telemetry()
+            security = load_security(cfg, telemetry)
+            listeners = await _bind(cfg)
             try:
-                await self._serve(wal, entries, report, task_status)
+                lock.take()
+                wal, entries, report = FactLog.open(cfg.state_dir / WAL_NAME)
+                try:
+                    await self._serve(wal, entries, report, telemetry=telemetry,
+                                      security=security, listeners=listeners,
+                                      task_status=task_status)  # fmt: skip
+                finally:
+                    if self.running is not None:
+                        self.running.commits.close()
+                    wal.close()
             finally:
-                if self.running is not None:
-                    self.running.commits.close()
-                wal.close()
+                await listeners.aclose()
+        finally:
+            lock.release()
 
     async def _serve(
-        self, wal: FactLog, entries: list[Entry], report: OpenReport, task_status: Any
+        self,
+        wal: FactLog,
+        entries: list[Entry],
+        report: OpenReport,
+        *,
+        telemetry: Telemetry,
+        security: PeerSecurity,
+        listeners: _Listeners,
+        task_status: Any,
     ) -> None:
         cfg = self.config
         if report.torn_tail_bytes:
@@ -130,8 +255,6 @@ class Daemon:
         if report.upgraded_from is not None:
             log.info("write-ahead log rewritten in the current format",
                      from_version=report.upgraded_from)  # fmt: skip
-        telemetry = Telemetry()
-        security = load_security(cfg, telemetry)
         r = self.running = assemble(cfg, wal, entries, telemetry, security,
                                     on_log_failure=self._log_failed)  # fmt: skip
         telemetry.watch(r)
@@ -141,46 +264,30 @@ class Daemon:
                  wal_bytes=wal.synced_bytes)  # fmt: skip
         if r.commits.compaction_due:
             await r.commits.compact(r.snapshot)
-        try:
-            peer_listeners = await trio.open_tcp_listeners(cfg.listen_port, host=cfg.listen_host)
-        except OSError as exc:
-            raise StartupError(
-                f"cannot listen for peers on {cfg.listen_host}:{cfg.listen_port}: {exc}"
-            ) from None
-        r.peer_port = int(peer_listeners[0].socket.getsockname()[1])
-        try:
-            unix_listener = await open_unix_listener(cfg.socket_path)
-        except OSError as exc:
-            for listener in peer_listeners:
-                await listener.aclose()
-            raise StartupError(f"cannot listen on {cfg.socket_path}: {exc}") from None
-        try:
-            async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                accept_scope = trio.CancelScope()
-                nursery.start_soon(self._accept, accept_scope, peer_listeners, unix_listener)
-                nursery.start_soon(self._watch_signals)
-                nursery.start_soon(self._report_node_events)
-                nursery.start_soon(r.commits.compact_when_due, r.snapshot)
-                self._prime_metrics()
-                await self._start_http(nursery)
-                r.peers.start_dialers(nursery, cfg)
-                log.info("ready", peer_port=r.peer_port, socket=str(cfg.socket_path),
-                         dials=sorted(r.peers.dialers))  # fmt: skip
-                self.ready = True
-                self.notifier.ready(r.summary())
-                nursery.start_soon(self._notify_loop)
-                task_status.started(self)
-                await self._stop.wait()
-                self.ready = False
-                self.notifier.stopping()
-                log.info("stopping", reason=self._stop_reason)
-                accept_scope.cancel()
-                await self._graceful_stop()
-                nursery.cancel_scope.cancel()
-        finally:
-            with trio.CancelScope(shield=True), suppress(OSError):
-                cfg.socket_path.unlink()
+        r.peer_port = int(listeners.peers[0].socket.getsockname()[1])
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            accept_scope = trio.CancelScope()
+            nursery.start_soon(self._accept, accept_scope, listeners.peers, listeners.local)
+            nursery.start_soon(self._watch_signals)
+            nursery.start_soon(self._report_node_events)
+            nursery.start_soon(r.commits.compact_when_due, r.snapshot)
+            self._prime_metrics()
+            self._serve_http(nursery, listeners.metrics)
+            r.peers.start_dialers(nursery, cfg)
+            log.info("ready", peer_port=r.peer_port, socket=str(cfg.socket_path),
+                     dials=sorted(r.peers.dialers))  # fmt: skip
+            self.ready = True
+            self.notifier.ready(r.summary())
+            nursery.start_soon(self._notify_loop)
+            task_status.started(self)
+            await self._stop.wait()
+            self.ready = False
+            self.notifier.stopping()
+            log.info("stopping", reason=self._stop_reason)
+            accept_scope.cancel()
+            await self._graceful_stop()
+            nursery.cancel_scope.cancel()
         log.info("stopped")
 
     async def _accept(
@@ -285,16 +392,12 @@ class Daemon:
 
     # -- metrics endpoint, probes, systemd ---------------------------------------------
 
-    async def _start_http(self, nursery: trio.Nursery) -> None:
+    def _serve_http(self, nursery: trio.Nursery, listeners: list[trio.SocketListener]) -> None:
         r = self.running
-        where = self.config.metrics_listen
-        if where is None or r is None:
+        if not listeners or r is None:
             return
         endpoint = HttpEndpoint(r.telemetry.registry, healthy=self.healthy, ready=self.readiness)
-        try:
-            listeners = await endpoint.listen(where[0], where[1], nursery)
-        except OSError as exc:
-            raise StartupError(f"cannot serve metrics on {where[0]}:{where[1]}: {exc}") from None
+        nursery.start_soon(partial(trio.serve_listeners, endpoint.handle, listeners))
         r.metrics_port = int(listeners[0].socket.getsockname()[1])
 
     def healthy(self) -> tuple[bool, str]:
