@@ -48,6 +48,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: console on a terminal, JSON lines otherwise",
     )
 
+    check = sub.add_parser(
+        "check",
+        help="validate a configuration without starting anything",
+        description="Read FILE as `run` would and check it without starting, binding or "
+        "writing anything: the file's keys, the TLS certificate, key and CA (the key "
+        "matching the certificate, issued by the CA to this node), the identity key and "
+        "this node's [trust] entry, and whether the socket and the state directory can "
+        "be made where it puts them (by the user running the check: run it as the "
+        "daemon's user). A port in use or a damaged log only a start can tell. Print "
+        "'ok' and exit 0, or the error naming the file and the key and exit 1.",
+    )
+    check.add_argument(
+        "--config",
+        type=Path,
+        default=DEFAULT_CONFIG,
+        metavar="FILE",
+        help=f"TOML configuration (default {DEFAULT_CONFIG})",
+    )
+
     cluster = sub.add_parser(
         "cluster",
         help="write the configuration of an N-node cluster on loopback",
@@ -199,6 +218,18 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check(args: argparse.Namespace) -> int:
+    from convergenced.daemon.check import check
+
+    try:
+        check(args.config)
+    except ConvergencedError as exc:
+        print(f"convergenced check: {exc}", file=sys.stderr)
+        return 1
+    print("ok")
+    return 0
+
+
 def _cluster(args: argparse.Namespace) -> int:
     from convergenced.tools.cluster import write_cluster
 
@@ -308,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "run":
         return _run(args)
+    if args.command == "check":
+        return _check(args)
     if args.command == "cluster":
         return _cluster(args)
     if args.command == "healthcheck":

@@ -96,3 +96,13 @@ def test_a_failed_restart_leaves_the_log_and_the_incarnation_as_they_were() -> N
         status = cluster.client(1).status()
         assert status["incarnation"] == 2  # the failed start spent no incarnation
         assert cluster.client(1).state("job")["restore_point"] == 1
+
+
+def test_a_certificate_of_another_node_stops_the_start_naming_tls_cert() -> None:
+    with LocalCluster(2) as cluster:
+        tls = cluster.dir / "node-1" / "tls"
+        for suffix in ("crt", "key"):
+            source = cluster.dir / "node-2" / "tls" / f"node-2.{suffix}"
+            shutil.copy2(source, tls / f"node-1.{suffix}")
+        line = _one_clean_line(_run(cluster.configs[0]))
+        assert "tls.cert:" in line and "certificate of 'node-2'" in line

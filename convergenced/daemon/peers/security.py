@@ -20,7 +20,9 @@ from convergenced.daemon.config import Config
 from convergenced.daemon.peers.transport import PeerTransport
 from convergenced.daemon.telemetry import Telemetry
 from convergenced.errors import ConvergencedError, StartupError
+from convergenced.security import pki
 from convergenced.security.keys import NodeIdentity
+from convergenced.security.tls import TlsConfigError
 from convergenced.security.trust import TrustList
 
 log = structlog.get_logger("convergenced.daemon")
@@ -50,38 +52,90 @@ class PeerSecurity:
             self.trust.replace_keys(keys)
 
 
+@dataclass(frozen=True, slots=True)
+class KeyFiles:
+    """What the configuration's key files hold, read and checked against each other."""
+
+    transport: PeerTransport
+    identity: NodeIdentity | None
+    """This node's signing key (None: insecure, or no peers, so nothing is signed)."""
+
+
+def read_key_files(cfg: Config) -> KeyFiles:
+    """Read every certificate and key ``cfg`` names and check that they agree.
+
+    The TLS key must match its certificate, which the cluster CA must have issued to
+    this node; the identity key must be this node's and the one the trust list names
+    for it. Nothing is logged or written, so `convergenced check` runs this too.
+
+    Raises:
+        StartupError: naming the configuration file, its key, and the file at fault.
+    """
+    try:
+        transport = PeerTransport(cfg)
+    except TlsConfigError as exc:
+        raise StartupError(f"{cfg.source}: {_tls_key(cfg, exc.path)}: {exc}") from None
+    except ConvergencedError as exc:
+        raise StartupError(f"{cfg.source}: tls: {exc}") from None
+    if cfg.insecure or cfg.tls is None:
+        return KeyFiles(transport, None)
+    # The contexts loaded, so the certificate is readable and names a node; a daemon
+    # holding another node's certificate would start and then be refused by every peer.
+    try:
+        ours = pki.node_id_from_cert(pki.load_certificate(cfg.tls.cert))
+    except pki.PkiError as exc:  # replaced since the contexts read it
+        raise StartupError(f"{cfg.source}: tls.cert: {exc}") from None
+    if ours != cfg.node_id:
+        raise StartupError(
+            f"{cfg.source}: tls.cert: {cfg.tls.cert}: is the certificate of {ours!r}, "
+            f"not of this node {cfg.node_id!r} (issue one with: convergenced ca issue)"
+        )
+    key = "identity" if cfg.identity is not None else "identity (default state_dir/identity.key)"
+    try:
+        identity = NodeIdentity.load(cfg.identity_path, node_id=cfg.node_id)
+    except ConvergencedError as exc:
+        raise StartupError(
+            f"{cfg.source}: {key}: {exc} (create it with: convergenced keygen)"
+        ) from None
+    listed = dict(cfg.trust).get(cfg.node_id)
+    if listed is not None and bytes.fromhex(listed) != identity.public_key_bytes():
+        raise StartupError(
+            f"{cfg.source}: trust.{cfg.node_id}: is not the public key of "
+            f"{cfg.identity_path} (its 'convergenced keygen' printed the right line)"
+        )
+    return KeyFiles(transport, identity)
+
+
+def _tls_key(cfg: Config, path: str) -> str:
+    """The configuration key that names ``path`` (``tls.cert``, ``tls.key``, ``tls.ca``)."""
+    t = cfg.tls
+    for name in ("cert", "key", "ca"):
+        if t is not None and str(getattr(t, name)) == path:
+            return f"tls.{name}"
+    return "tls"
+
+
 def load_security(cfg: Config, telemetry: Telemetry) -> PeerSecurity:
-    """Load certificates, the identity key and the trust list.
+    """Load certificates, the identity key and the trust list (`read_key_files`).
 
     Raises:
         StartupError: a file is missing or wrong, or the identity's key is not the
             one the trust list names for this node.
     """
-    try:
-        security = PeerSecurity(PeerTransport(cfg))
-    except ConvergencedError as exc:
-        raise StartupError(str(exc)) from None
+    files = read_key_files(cfg)
+    security = PeerSecurity(files.transport)
     if cfg.insecure:
         log.warning(
             "INSECURE: peer links are plaintext and records unsigned; anyone who can "
             "reach the peer port can change what this node believes (insecure = true)"
         )
         return security
-    if cfg.tls is None:
+    if files.identity is None:
         log.info("no peers configured: this node works alone and admits no peer")
         return security
-    try:
-        identity = NodeIdentity.load(cfg.identity_path, node_id=cfg.node_id)
-    except ConvergencedError as exc:
-        raise StartupError(f"{exc} (create it with: convergenced keygen)") from None
+    identity = files.identity
     keys = {node: bytes.fromhex(key) for node, key in cfg.trust}
-    listed = keys.get(cfg.node_id)
     own = identity.public_key_bytes()
-    if listed is not None and listed != own:
-        raise StartupError(
-            f"{cfg.identity_path}: its public key is not the one trust.{cfg.node_id} "
-            f"lists in {cfg.source}"
-        )
     keys[cfg.node_id] = own
     trust = TrustList(keys)
 
