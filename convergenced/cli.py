@@ -308,6 +308,7 @@ def _keygen(args: argparse.Namespace) -> int:
 def _ca(args: argparse.Namespace) -> int:
     from convergenced.security import pki
 
+    prog = f"convergenced ca {args.ca_command}"
     try:
         if args.ca_command == "init":
             files = pki.init_ca(args.dir, name=args.name, days=args.days)
@@ -323,9 +324,16 @@ def _ca(args: argparse.Namespace) -> int:
                 overwrite=args.force,
             )
             print(f"{args.node_id}: certificate {node.cert}, key {node.key}")
+    except pki.PkiExistsError as exc:
+        # Only `issue` replaces files on request; a CA is never replaced (init_ca's
+        # message says what to do instead).
+        if args.ca_command == "issue":
+            print(f"{prog}: {exc.path}: already exists; --force re-issues it", file=sys.stderr)
+        else:
+            print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
     except (ConvergencedError, OSError) as exc:
-        hint = " (--force replaces it)" if "exists" in str(exc) else ""
-        print(f"convergenced ca: {exc}{hint}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr)
         return 1
     return 0
 

@@ -75,9 +75,12 @@ def format_status(st: Mapping[str, Any]) -> str:
         peer_text += f": {', '.join(up)}"
     if down:
         peer_text += f"; not connected: {', '.join(down)}"
+    # The warnings (insecure mode) come right after the node, where nobody misses them.
+    warnings = [("warning", str(w)) for w in st.get("warnings") or []]
     lines = _fields(
         [
             ("node", f"{st['node']} (cluster {st['cluster']})"),
+            *warnings,
             ("version", f"convergenced {st['version']}, incarnation {st['incarnation']}"),
             ("uptime", format_duration(float(st["uptime_s"]))),
             ("socket", str(st.get("socket", ""))),

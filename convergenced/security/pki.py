@@ -69,6 +69,10 @@ class PkiError(ConvergencedError):
         self.path = None if path is None else str(path)
 
 
+class PkiExistsError(PkiError):
+    """A file `init_ca` or `issue` would write exists already; nothing was written."""
+
+
 @dataclass(frozen=True, slots=True)
 class CaFiles:
     """Where `init_ca` wrote the CA."""
@@ -129,8 +133,8 @@ def init_ca(
         The paths written.
 
     Raises:
-        PkiError: a CA file already exists there (never overwritten), bad arguments,
-            or the files cannot be written.
+        PkiExistsError: a CA file already exists there (never overwritten).
+        PkiError: bad arguments, or the files cannot be written.
     """
     d = Path(directory)
     files = CaFiles(d / CA_CERT, d / CA_KEY)
@@ -140,7 +144,7 @@ def init_ca(
         raise PkiError(f"days {days}: expected at least 1")
     for p in (files.cert, files.key):
         if p.exists():
-            raise PkiError(
+            raise PkiExistsError(
                 "already exists; refusing to replace the cluster CA (every node certificate "
                 "depends on it). Use another directory or remove it deliberately",
                 p,
@@ -215,8 +219,9 @@ def issue(
         The paths written.
 
     Raises:
-        PkiError: naming the file: CA missing, unreadable or inconsistent, node files
-            exist, bad node id or host.
+        PkiExistsError: node files exist (and ``overwrite`` is false).
+        PkiError: naming the file: CA missing, unreadable or inconsistent, bad node id
+            or host.
     """
     if not isinstance(node_id, str) or not NAME_RE.match(node_id):
         raise PkiError(
@@ -231,7 +236,7 @@ def issue(
     if not overwrite:
         for p in (files.cert, files.key):
             if p.exists():
-                raise PkiError("already exists; pass overwrite to re-issue", p)
+                raise PkiExistsError("already exists; pass overwrite to re-issue", p)
     san = _subject_alt_names(node_id, hosts)
     key = ec.generate_private_key(ec.SECP256R1())
     start = _start(valid_from)
@@ -335,7 +340,7 @@ def _write(path: Path, data: bytes, mode: int, *, overwrite: bool) -> None:
     try:
         write_atomic(path, data, chmod=mode, overwrite=overwrite)
     except FileExistsError:
-        raise PkiError("already exists", path) from None
+        raise PkiExistsError("already exists", path) from None
     except OSError as exc:
         raise PkiError(f"cannot write: {exc.strerror or exc}", path) from None
 
