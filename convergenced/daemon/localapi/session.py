@@ -15,6 +15,14 @@ while the writer is blocked sending to it has stopped reading: that client alone
 disconnected (``client_too_slow``), so one stuck process can never stall the
 daemon or any other client. Replies waiting for an fsync are the daemon's own
 doing and never count against a client.
+
+A connection that ends (end of stream or an error on read, a client killed with
+a watch open) ends its waits and watches at once, unanswered: nothing would read
+their replies, and a watch of a quiet stream would otherwise hold the session and
+its descriptor forever (a thousand killed watchers used to fill
+``limits.max_clients``). Facts already read still get their acknowledgement
+flushed (a client that only half-closed reads it), then the session closes. The
+same holds when the daemon hangs up on a frame it cannot resynchronize after.
 """
 
 from __future__ import annotations
@@ -71,6 +79,8 @@ class ClientSession:
         self._read_scope = trio.CancelScope()
         self._reading_done = False
         self._draining = False
+        self._hung_up = False
+        """The connection ended, or the daemon hung up on it: waits end unanswered."""
 
     async def run(self) -> None:
         """Read, dispatch and write until the client leaves or is disconnected."""
@@ -80,6 +90,8 @@ class ClientSession:
                 nursery.start_soon(self._writer)
                 with self._read_scope:
                     await self._reader()
+                if self._hung_up:
+                    self._end_waits()
                 # Let in-flight requests finish; the writer then flushes what is left
                 # and ends the session.
                 while self._inflight:
@@ -94,6 +106,9 @@ class ClientSession:
         """Shutdown: stop reading, end waits and watches, let the rest finish."""
         self._draining = True
         self._read_scope.cancel()
+        self._end_waits()
+
+    def _end_waits(self) -> None:
         for op, scope in list(self._inflight.values()):
             if OPERATIONS[op].kind is OpKind.WAIT:
                 scope.cancel()
@@ -111,19 +126,22 @@ class ClientSession:
             try:
                 data = bytes(await self.stream.receive_some(65536))
             except (trio.BrokenResourceError, trio.ClosedResourceError):
-                return
+                data = b""
             if not data:
+                self._hung_up = True
                 return
             try:
                 objs = reader.feed(data)
             except ApiError as err:
                 # The byte stream cannot be resynchronized: answer, then hang up.
+                self._hung_up = True
                 self._fail(None, err)
                 return
             for obj in objs:
                 await self._dispatch(obj)
             if reader.failed is not None:
                 # Requests before the bad frame were served; the stream ends here.
+                self._hung_up = True
                 self._fail(None, reader.failed)
                 return
             while len(self._out) >= self.limit:
@@ -181,7 +199,7 @@ class ClientSession:
                         log.exception("request failed", op=req.op, request=req.id)
                     text = f"{type(exc).__name__}: {exc}"
                     self._fail(req.id, ApiError(ErrorKind.INTERNAL, "internal", text))
-            if scope.cancelled_caught:
+            if scope.cancelled_caught and not self._hung_up:
                 if self._draining:
                     end = ApiError(
                         ErrorKind.UNAVAILABLE,

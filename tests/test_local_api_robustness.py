@@ -1,0 +1,241 @@
+"""The local API against clients that leave, flood or watch in numbers.
+
+Sessions run over trio memory streams (or in-process socket pairs where the server's
+credential check needs a real socket), the log on an instant or a slow virtual disk,
+under `MockClock` where no real socket is involved: what is checked is counted work
+and the daemon's own interleavings, never a wall-clock threshold.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+from slowdisk import slow_log
+
+from convergenced.core import local_api_codec as codec
+from convergenced.core.admission import Admission
+from convergenced.core.facts import Declare
+from convergenced.core.gate import OutputGate
+from convergenced.core.link import LinkConfig
+from convergenced.core.node import NodeCore
+from convergenced.core.spec import Policy, StreamSpec
+from convergenced.daemon.config import Limits
+from convergenced.daemon.localapi.operations import LocalOperations
+from convergenced.daemon.localapi.server import LocalApiServer
+from convergenced.daemon.localapi.session import ClientSession
+from convergenced.daemon.peers.session import PeerHub
+from convergenced.daemon.telemetry import Telemetry
+
+SOLO = StreamSpec.create("job", {"a": [0]}, Policy.all_of("nvme"))
+PAIR = StreamSpec.create("pair", {"a": [0], "b": [1]}, Policy.all_of("nvme"))
+LINK = LinkConfig(cluster="test", idle_ticks=1, dead_ticks=1000)
+
+
+@pytest.fixture
+def autojump_clock() -> trio.testing.MockClock:
+    return trio.testing.MockClock(autojump_threshold=0)
+
+
+class Daemon:
+    """Node ``a`` with the streams ``job`` (a alone) and ``pair`` (a and b), and
+    everything a local session needs; instantly durable unless given a slow disk."""
+
+    def __init__(self, tmp_path: Path | None = None, *, disk_s: float = 0.0,
+                 limits: Limits | None = None) -> None:  # fmt: skip
+        self.node = NodeCore("a", 1)
+        self.telemetry = Telemetry()
+        self.limits = limits or Limits()
+        if tmp_path is not None:
+            self.gate, commits, _ = slow_log(tmp_path, self.node, disk_s)
+            self.durable: Any = commits.durable
+        else:
+            self.gate = OutputGate(self.node)
+
+            async def durable(position: int | None = None) -> None:
+                self.gate.synced(self.gate.take_unlogged()[1])
+
+            self.durable = durable
+        self.hub = PeerHub(self.node, self.gate, self.durable, LINK, self.telemetry,
+                           tick_seconds=1.0)  # fmt: skip
+        self.ops = LocalOperations(self.node, Admission(self.node, self.gate), self.hub,
+                                   self.telemetry, durable=self.durable,
+                                   status=dict)  # fmt: skip
+        self.gate.apply(Declare(SOLO))
+        self.gate.apply(Declare(PAIR))
+        self.gate.synced(self.gate.take_unlogged()[1])
+
+    def session(self, stream: trio.abc.Stream) -> ClientSession:
+        return ClientSession(stream, self.ops, self.gate, self.durable,
+                             limits=self.limits, telemetry=self.telemetry)  # fmt: skip
+
+    def server(self) -> LocalApiServer:
+        return LocalApiServer(self.ops, self.gate, self.durable, self.limits, self.telemetry)
+
+    def errors(self) -> dict[str, int]:
+        return {k: v for k, v in self.telemetry.counters().items() if k.startswith("api_")}
+
+
+def frames(*requests: dict[str, Any]) -> bytes:
+    return b"".join(codec.encode_frame(r) for r in requests)
+
+
+async def replies(stream: trio.abc.ReceiveStream, reader: codec.FrameReader, n: int) -> list[Any]:
+    """The next ``n`` replies on ``stream``."""
+    out: list[Any] = []
+    while len(out) < n:
+        data = await stream.receive_some(65536)
+        assert data, f"the connection ended after {out}"
+        out += reader.feed(data)
+    return out
+
+
+async def served(session: ClientSession, done: trio.Event) -> None:
+    await session.run()
+    done.set()
+
+
+class BrokenOnRead(trio.abc.Stream):
+    """A client connection whose reads fail once ``broken`` is set (a reset)."""
+
+    def __init__(self, inner: trio.abc.Stream) -> None:
+        self.inner = inner
+        self.broken = trio.Event()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        async with trio.open_nursery() as nursery:
+            got: list[bytes] = []
+
+            async def receive() -> None:
+                got.append(bytes(await self.inner.receive_some(max_bytes)))
+                nursery.cancel_scope.cancel()
+
+            async def reset() -> None:
+                await self.broken.wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(receive)
+            nursery.start_soon(reset)
+        if not got:
+            raise trio.BrokenResourceError("connection reset by peer")
+        return got[0]
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def send_eof(self) -> None:  # pragma: no cover - not used
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+# -- 1. a client that leaves ends its waits and its session -----------------------------
+
+
+async def test_a_client_killed_with_a_watch_open_ends_its_session_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    d = Daemon()
+    client, daemon_side = trio.testing.memory_stream_pair()
+    done = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(served, d.session(daemon_side), done)
+        await client.send_all(frames(codec.request(1, "watch", stream="job")))
+        (first,) = await replies(client, codec.FrameReader(), 1)
+        assert first["id"] == 1 and first["event"]["stream"] == "job"
+        await client.aclose()  # killed: its end of the connection is gone
+        with trio.fail_after(1):  # virtual: fails only if the session waits for a change
+            await done.wait()
+    assert d.errors() == {}  # a client leaving is not an error of the API
+
+
+async def test_every_kind_of_wait_ends_when_the_connection_does(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    d = Daemon()
+    client, daemon_side = trio.testing.memory_stream_pair()
+    done = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(served, d.session(daemon_side), done)
+        await client.send_all(
+            frames(
+                codec.request(1, "watch", stream="pair"),
+                codec.request(2, "wait", stream="job", epoch=100),  # never reached
+                codec.request(3, "restore_point", stream="pair", generation=1),  # b is silent
+            )
+        )
+        await replies(client, codec.FrameReader(), 1)  # the watch's first event
+        await trio.sleep(5)
+        assert not done.is_set()  # the waits really were waiting
+        await client.aclose()
+        with trio.fail_after(1):
+            await done.wait()
+
+
+async def test_an_error_on_read_ends_the_session_like_an_end_of_stream(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    d = Daemon()
+    client, inner = trio.testing.memory_stream_pair()
+    daemon_side = BrokenOnRead(inner)
+    done = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(served, d.session(daemon_side), done)
+        await client.send_all(frames(codec.request(1, "watch", stream="job")))
+        await replies(client, codec.FrameReader(), 1)
+        daemon_side.broken.set()
+        with trio.fail_after(1):
+            await done.wait()
+
+
+async def test_facts_read_before_a_half_close_are_still_acknowledged_after_their_fsync(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    d = Daemon(tmp_path, disk_s=0.03)
+    client, daemon_side = trio.testing.memory_stream_pair()
+    done = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(served, d.session(daemon_side), done)
+        commit = codec.request(1, "commit", stream="job", rank=0, domain="nvme", epoch=1)
+        await client.send_all(frames(commit, codec.request(2, "watch", stream="pair")))
+        await client.send_eof()  # done sending, still reading
+        reader = codec.FrameReader()
+        got: list[Any] = []
+        with trio.fail_after(1):
+            while data := await client.receive_some(65536):
+                got += reader.feed(data)
+            await done.wait()
+    acks = [r for r in got if r["id"] == 1]
+    assert acks == [{"id": 1, "ok": {"stream": "job", "epoch": 1, "durable": True}}]
+    assert all("error" not in r for r in got)  # the ended watch is not answered
+
+
+async def test_killed_watchers_never_fill_max_clients() -> None:
+    d = Daemon(limits=Limits(max_clients=4))
+    server = d.server()
+    async with trio.open_nursery() as nursery:
+        with trio.fail_after(10):
+            for _ in range(3 * d.limits.max_clients):
+                ours, theirs = trio.socket.socketpair()
+                nursery.start_soon(server.handle, trio.SocketStream(theirs))
+                client = trio.SocketStream(ours)
+                await client.send_all(frames(codec.request(1, "watch", stream="job")))
+                await replies(client, codec.FrameReader(), 1)
+                await client.aclose()
+            while server.sessions:
+                await trio.sleep(0.01)
+            ours, theirs = trio.socket.socketpair()
+            nursery.start_soon(server.handle, trio.SocketStream(theirs))
+            client = trio.SocketStream(ours)
+            await client.send_all(frames(codec.request(1, "streams")))
+            (reply,) = await replies(client, codec.FrameReader(), 1)
+            await client.aclose()
+    assert reply == {"id": 1, "ok": ["job", "pair"]}
+    assert d.errors() == {}
