@@ -297,7 +297,6 @@ def test_top_of_an_unknown_stream_fails(
     [
         (["--interval", "0"], "not a positive number of seconds"),
         (["--count", "-1"], "negative"),
-        (["job", "--json"], "watch STREAM --json"),
     ],
 )
 def test_usage_errors_exit_2(

@@ -16,9 +16,9 @@ Every subcommand is one request to the daemon through `convergenced.client.Clien
     convergencectl top job
 
 Output is short text for people; with ``--json`` (before or after the subcommand)
-it is the daemon's result map as one JSON line (sorted keys), and ``watch`` prints
-one such line per event, flushed, so it works in pipelines. Errors go to stderr as
-``convergencectl: <kind>: <message> [<reason>]``.
+it is the daemon's result map as one JSON line (sorted keys), ``watch`` prints
+one such line per event and ``top`` one per frame, flushed, so they work in
+pipelines. Errors go to stderr as ``convergencectl: <kind>: <message> [<reason>]``.
 
 ``top`` is the live view of one stream (see `convergenced.ctl.top`).
 
@@ -205,8 +205,6 @@ def main(argv: list[str] | None = None) -> int:
                 args.spec_value = _spec_from_args(args)
             except UsageError as exc:
                 _usage(args, str(exc))
-        if args.command == "top" and args.json:
-            _usage(args, "top draws for people; for JSON use: watch STREAM --json")
     except SystemExit as exc:  # argparse: --help, --version, usage errors
         return _exit_code(exc)
     return _run(args)

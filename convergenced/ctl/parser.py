@@ -40,7 +40,10 @@ exit codes:
 SOCKET_HELP = (
     "the daemon's socket (default: $CONVERGENCED_SOCKET, else /run/convergenced/convergenced.sock)"
 )
-JSON_HELP = "print the daemon's result as JSON (one line; watch: one line per event)"
+JSON_HELP = (
+    "print the daemon's result as JSON (one line; watch: one line per event; top: one "
+    "line per frame)"
+)
 
 
 class UsageError(Exception):
@@ -191,10 +194,13 @@ def _add_top(add: Callable[[str, str, str], argparse.ArgumentParser]) -> None:
         "the newest epoch all of a member's ranks hold; '*' marks the lowest epoch of a "
         "domain whose members differ, '!' an epoch older than the restore point); and "
         "the links to the peers. A new frame on every change of the stream (as watch "
-        "sees it) and whenever a link comes up, goes down or changes sync. On a "
-        "terminal the screen is redrawn in place; otherwise frames follow each other, "
-        "separated by a blank line. Until Ctrl-C (exit 0) or the daemon goes away "
-        "(exit 3).",
+        "sees it) and whenever a link comes up, goes down or changes sync; a peer the "
+        "overlay links to but without a link shows 'down', and its member 'link down'. "
+        "On a terminal the screen is redrawn in place; otherwise frames follow each "
+        "other, separated by a blank line. With --json each frame is one JSON object on "
+        "one line: the state (as watch --json prints it), its lattice (domains, and per "
+        "member the newest epochs, their marks and notes) and the links. Until Ctrl-C "
+        "(exit 0) or the daemon goes away (exit 3).",
     )
     p.add_argument(
         "stream",

@@ -1,6 +1,6 @@
 """`convergencectl top`: the live view of one stream, drawn and redrawn.
 
-``top [STREAM] [--interval S] [--count N] [--no-clear]`` is the live view of one
+``top [STREAM] [--interval S] [--count N] [--no-clear] [--json]`` is the live view of one
 stream (default: the first one ``streams`` lists): a header (node, cluster, time of
 the last update), the restore point, proposal, knowledge, convergence interval, skew
 and per-domain skew, GC horizon; the epoch lattice (a row per member, a column per
@@ -11,11 +11,17 @@ no link. It draws a frame on every ``watch`` event and whenever a link comes up,
 down or changes sync, asking the daemon's ``status`` at most every ``--interval``
 seconds (default 1). On a terminal it redraws in place (ANSI; colours unless
 ``$NO_COLOR`` is set); with ``--no-clear`` or when stdout is not a terminal it
-prints the frames one after another, separated by a blank line. `render_top` draws
-one frame from a state map and a status map and nothing else.
+prints the frames one after another, separated by a blank line. With ``--json`` each
+frame is one JSON line instead (`top_frame`: the watch event, its lattice, the links).
+`render_top` draws one frame from a state map and a status map and nothing else.
 
-The drawing (`render_top` and its lattice, links and grid) is pure, so tests draw frames
-from hand-made maps; the loop (`_top`) feeds it. The blocking client takes concurrent
+A configured peer without a link is ``down`` when the overlay links the two nodes
+(always in a full mesh), and its member row says ``link down``; ``relayed`` when the
+overlay does not (its records come through other nodes); ``no link`` when the daemon
+does not say (the ``overlay_link`` of its status).
+
+The drawing (`lattice` and `links` as data, `render_top` drawing them) is pure, so tests
+draw frames from hand-made maps; the loop (`_top`) feeds it. The blocking client takes concurrent
 requests on one connection, so the watch runs in a thread (`_Watcher`) and the status
 requests in the loop.
 """
@@ -23,6 +29,7 @@ requests in the loop.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import queue
 import sys
@@ -65,52 +72,92 @@ def _grid(rows: list[list[tuple[str, str]]], color: bool, indent: str = "  ") ->
     return lines
 
 
-def _lattice(state: Mapping[str, Any], node: str | None, color: bool) -> tuple[list[str], set[str]]:
-    """The epoch lattice, and the marks it used."""
+def _peer_links(status: Mapping[str, Any] | None) -> dict[str, str]:
+    """Each configured peer's link: ``up``, ``down`` (the overlay links the two nodes,
+    yet there is no link), ``relayed`` (the overlay does not link them: records reach
+    it through other nodes) or ``none`` (no link; the daemon did not say whether one is
+    expected)."""
+    links: dict[str, str] = {}
+    for p in (status or {}).get("peers") or []:
+        expected = p.get("overlay_link")
+        if p.get("connected"):
+            links[str(p.get("id"))] = "up"
+        else:
+            links[str(p.get("id"))] = {True: "down", False: "relayed"}.get(expected, "none")
+    return links
+
+
+def lattice(state: Mapping[str, Any], status: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The epoch lattice of a state map, as data: ``domains``, and per member (sorted)
+    its ``newest`` epoch in each domain (nil: none yet), the ``marks`` of each epoch
+    (`LAGGARD_MARK`, `STALE_MARK`) and its ``notes`` (``this node``, ``not heard
+    from``, ``different spec``, ``link down``). Pure; ``top`` draws it and ``top
+    --json`` prints it."""
     spec = state.get("spec") or {}
     newest: Mapping[str, Mapping[str, int]] = state.get("newest") or {}
     policy_domains = (spec.get("policy") or {}).get("domains") or []
     domains = sorted(set(policy_domains).union(*(d.keys() for d in newest.values())))
     members = sorted(set(spec.get("members") or {}) | set(newest))
-    if not members:
-        return ["  no members"], set()
+    node = None if status is None else status.get("node")
     missing = set(state.get("missing") or [])
     conflicting = {m for m, _ in state.get("conflicts") or []}
+    down = {peer for peer, link in _peer_links(status).items() if link == "down"}
     restore_point = state.get("restore_point")
     lowest = {}
     for d in domains:
         epochs = [newest[m][d] for m in members if d in newest.get(m, {})]
         if len(set(epochs)) > 1:
             lowest[d] = min(epochs)
-    used: set[str] = set()
-    rows: list[list[tuple[str, str]]] = [
-        [("member", _BOLD), *((d, _BOLD) for d in domains), ("", "")]
-    ]
+    rows = []
     for m in members:
-        cells = [(m, "")]
-        for d in domains:
-            epoch = newest.get(m, {}).get(d)
-            if epoch is None:
-                cells.append(("-", _DIM))
-                continue
-            marks, code = "", _GREEN
-            if restore_point is not None and epoch < restore_point:
-                marks, code = STALE_MARK, _RED
-            if lowest.get(d) == epoch:
-                marks += LAGGARD_MARK
-                code = code if code == _RED else _YELLOW
-            used.update(marks)
-            cells.append((f"{epoch}{marks}", code))
+        mine = newest.get(m, {})
+        marks = {}
+        for d, epoch in mine.items():
+            mark = STALE_MARK if restore_point is not None and epoch < restore_point else ""
+            mark += LAGGARD_MARK if lowest.get(d) == epoch else ""
+            if mark:
+                marks[d] = mark
         notes = [
             text
             for text, applies in (
                 ("this node", m == node),
                 ("not heard from", m in missing),
                 ("different spec", m in conflicting),
+                ("link down", m in down),
             )
             if applies
         ]
-        cells.append((", ".join(notes), _RED if m in missing | conflicting else _DIM))
+        rows.append({"member": m, "newest": {d: mine.get(d) for d in domains},
+                     "marks": marks, "notes": notes})  # fmt: skip
+    return {"domains": domains, "members": rows}
+
+
+_ALARMS = frozenset({"not heard from", "different spec", "link down"})
+"""Notes drawn in red."""
+
+
+def _lattice(lat: Mapping[str, Any], color: bool) -> tuple[list[str], set[str]]:
+    """The epoch lattice drawn, and the marks it used."""
+    domains: list[str] = lat["domains"]
+    if not lat["members"]:
+        return ["  no members"], set()
+    used: set[str] = set()
+    rows: list[list[tuple[str, str]]] = [
+        [("member", _BOLD), *((d, _BOLD) for d in domains), ("", "")]
+    ]
+    for row in lat["members"]:
+        cells = [(str(row["member"]), "")]
+        for d in domains:
+            epoch = row["newest"].get(d)
+            if epoch is None:
+                cells.append(("-", _DIM))
+                continue
+            marks = row["marks"].get(d, "")
+            code = _RED if STALE_MARK in marks else _YELLOW if LAGGARD_MARK in marks else _GREEN
+            used.update(marks)
+            cells.append((f"{epoch}{marks}", code))
+        notes = row["notes"]
+        cells.append((", ".join(notes), _RED if _ALARMS.intersection(notes) else _DIM))
         rows.append(cells)
     lines = _grid(rows, color)
     if not domains:
@@ -118,28 +165,64 @@ def _lattice(state: Mapping[str, Any], node: str | None, color: bool) -> tuple[l
     return lines, used
 
 
+def links(status: Mapping[str, Any] | None) -> list[dict[str, Any]] | None:
+    """The links to peers, then the configured peers with no link, as data: ``peer``,
+    ``state`` (the link's, or ``down``, ``relayed``, ``no link``: see `_peer_links`)
+    and ``in_sync`` (nil without a link). Nil when the status is not known."""
+    if status is None:
+        return None
+    rows = [
+        {"peer": link.get("peer"), "state": str(link.get("state", "")),
+         "in_sync": bool(link.get("in_sync"))}
+        for link in status.get("links") or []
+    ]  # fmt: skip
+    linked = {row["peer"] for row in rows}
+    for peer, link in _peer_links(status).items():
+        if peer not in linked:
+            state = {"down": "down", "relayed": "relayed"}.get(link, "no link")
+            rows.append({"peer": peer, "state": state, "in_sync": None})
+    return rows
+
+
 def _links(status: Mapping[str, Any] | None, color: bool) -> list[str]:
     """Links to peers, then configured peers with no link."""
-    if status is None:
+    table = links(status)
+    if table is None:
         return ["links  unknown"]
-    links = list(status.get("links") or [])
-    linked = {link.get("peer") for link in links}
-    idle = [p for p in status.get("peers") or [] if p.get("id") not in linked]
-    if not links and not idle:
+    if not table:
         return ["links  none"]
     rows: list[list[tuple[str, str]]] = [[("peer", _BOLD), ("state", _BOLD), ("sync", _BOLD)]]
-    for link in links:
-        in_sync = bool(link.get("in_sync"))
+    for row in table:
+        in_sync = row["in_sync"]
+        if in_sync is None:
+            code = _DIM if row["state"] == "relayed" else _RED
+            rows.append([(str(row["peer"]), ""), (row["state"], code), ("-", _DIM)])
+            continue
         rows.append(
             [
-                (_value(link.get("peer"), "?"), ""),
-                (str(link.get("state", "")), ""),
+                (_value(row["peer"], "?"), ""),
+                (row["state"], ""),
                 ("in sync" if in_sync else "not in sync", _GREEN if in_sync else _YELLOW),
             ]
         )
-    for peer in idle:
-        rows.append([(str(peer.get("id")), ""), ("no link", _RED), ("-", _DIM)])
     return ["links", *_grid(rows, color)]
+
+
+def top_frame(
+    state: Mapping[str, Any], status: Mapping[str, Any] | None, *, updated: float | None = None
+) -> dict[str, Any]:
+    """One frame of ``top --json``: the ``state`` (the watch event, as ``watch --json``
+    prints it), its `lattice`, the `links`, and from the status ``node``, ``cluster``
+    and ``warnings``; ``updated`` is the wall-clock time of the frame. Pure."""
+    return {
+        "updated": updated,
+        "node": None if status is None else status.get("node"),
+        "cluster": None if status is None else status.get("cluster"),
+        "warnings": list((status or {}).get("warnings") or []),
+        "state": dict(state),
+        "lattice": lattice(state, status),
+        "links": links(status),
+    }
 
 
 def render_top(
@@ -179,8 +262,8 @@ def render_top(
     if state.get("conflicts"):
         pairs.append(("conflicts", _names(m for m, _ in state["conflicts"])))
     pairs += [("warning", str(w)) for w in (status or {}).get("warnings") or []]
-    lattice, marks = _lattice(state, node, color)
-    lines = [_paint(head, _BOLD, color), *_fields(pairs), "", "epoch lattice", *lattice]
+    drawn, marks = _lattice(lattice(state, status), color)
+    lines = [_paint(head, _BOLD, color), *_fields(pairs), "", "epoch lattice", *drawn]
     legend = []
     if LAGGARD_MARK in marks:
         legend.append(f"{LAGGARD_MARK} lowest of its domain")
@@ -290,8 +373,12 @@ def _top(client: Client, args: argparse.Namespace) -> int:
                 links = key
             if state is None or not changed:
                 continue
-            frame = render_top(state, status, updated=time.time(), color=color)
-            print((CLEAR_SCREEN if clear else "\n" if frames else "") + frame, flush=True)
+            if args.json:  # one object a line, for programs: no screen to clear
+                print(json.dumps(top_frame(state, status, updated=time.time()), sort_keys=True),
+                      flush=True)  # fmt: skip
+            else:
+                frame = render_top(state, status, updated=time.time(), color=color)
+                print((CLEAR_SCREEN if clear else "\n" if frames else "") + frame, flush=True)
             frames += 1
             if args.count is not None and frames >= args.count:
                 return EXIT_OK

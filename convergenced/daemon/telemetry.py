@@ -94,6 +94,8 @@ class Telemetry:
         self.recovery = Gauge(rec.name, rec.help, list(rec.labels), registry=r)
         self._restore_point_since: dict[str, float] = {}
         self._last_warned: dict[str, float] = {}
+        self._unlogged: dict[str, int] = {}
+        """Rate-limited events counted since their last log line, by key."""
 
     def watch(self, source: StateSource) -> None:
         """Export the state metrics of ``source`` at every scrape."""
@@ -204,6 +206,41 @@ class Telemetry:
     def reconnected(self, peer: str) -> None:
         """A link to ``peer`` came back after a loss."""
         self.reconnects.labels(peer=peer).inc()
+
+    def link_up(self, peer: str, address: str, role: str, incarnation: int) -> None:
+        """HELLOs exchanged with ``peer``: the link is up."""
+        log.info("link up", peer=peer, address=address, role=role, incarnation=incarnation)
+
+    def link_down(self, peer: str, address: str, reason: str) -> None:
+        """The link to ``peer`` that was up is gone, for ``reason``."""
+        log.info("link down", peer=peer, address=address, reason=reason)
+
+    def reconnecting(self, peer: str, address: str, reason: str, retry_in: float) -> None:
+        """The dialer will dial ``peer`` again in ``retry_in`` seconds."""
+        log.info("reconnecting", peer=peer, address=address, reason=reason,
+                 retry_in=round(retry_in, 3))  # fmt: skip
+
+    def dial_failed(
+        self, peer: str, address: str, reason: str, error: str, retry_in: float
+    ) -> None:
+        """A dial of ``peer`` failed for ``reason`` (a TLS refusal is counted as one).
+
+        Logged at most once per peer and reason every `WARN_INTERVAL_S`, with the
+        failures since the last line: a peer that is down is redialled every few
+        seconds for as long as it is down. A TLS refusal is a warning (a certificate
+        or a configuration to fix); a peer that is not up yet is information.
+        """
+        if reason in TRANSPORT_REASONS:
+            self.connection_refused(reason)
+        key = f"dial:{peer}:{reason}"
+        self._unlogged[key] = failures = self._unlogged.get(key, 0) + 1
+        if not self.may_warn(key):
+            return
+        del self._unlogged[key]
+        (log.warning if reason in TRANSPORT_REASONS else log.info)(
+            "dial failed", peer=peer, address=address, reason=reason, error=error,
+            failures=failures, retry_in=round(retry_in, 3),
+        )  # fmt: skip
 
     def exchanged(self, peer: str, seconds: float) -> None:
         """An exchange this node started with ``peer`` completed."""

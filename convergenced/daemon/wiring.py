@@ -129,6 +129,7 @@ class Running:
                     "address": f"{p.host}:{p.port}",
                     "connected": p.node_id in connected,
                     "dialled": p.node_id in self.peers.dialers,
+                    "overlay_link": p.node_id in self.peers.overlay,
                 }
                 for p in cfg.peers
             ],

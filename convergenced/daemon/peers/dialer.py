@@ -8,18 +8,17 @@ for a while resets the delay: the next failure is a new incident, not a streak.
 
 from __future__ import annotations
 
+import errno
 import random
+import socket
 from collections.abc import Awaitable, Callable
 
-import structlog
 import trio
 
 from convergenced.core.link import Role
 from convergenced.daemon.config import Peer
 from convergenced.daemon.peers.session import PeerHub, PeerSession
 from convergenced.errors import ConvergencedError
-
-log = structlog.get_logger("convergenced.peers")
 
 
 class Backoff:
@@ -51,6 +50,34 @@ class Backoff:
 
 Connect = Callable[[Peer], Awaitable[trio.abc.Stream]]
 
+_ERRNO_REASONS = {
+    errno.ECONNREFUSED: "connection_refused",
+    errno.ECONNRESET: "connection_reset",
+    errno.EHOSTUNREACH: "host_unreachable",
+    errno.ENETUNREACH: "network_unreachable",
+    errno.ETIMEDOUT: "connect_timeout",
+}
+
+
+def dial_failure_reason(exc: BaseException) -> str:
+    """A short label for why a dial failed: the transport's reason (a TLS refusal),
+    ``connect_timeout``, ``unresolved_host``, ``connection_refused``, ... ."""
+    reason = getattr(exc, "reason", None)
+    if isinstance(reason, str):
+        return reason
+    if isinstance(exc, trio.TooSlowError):
+        return "connect_timeout"
+    if isinstance(exc, socket.gaierror):
+        return "unresolved_host"
+    # trio.open_tcp_stream raises one OSError without an errno for all its attempts,
+    # caused by a group holding each attempt's error.
+    cause = exc.__cause__
+    if isinstance(exc, OSError) and exc.errno is None and isinstance(cause, BaseExceptionGroup):
+        return dial_failure_reason(cause.exceptions[0])
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return _ERRNO_REASONS.get(exc.errno) or errno.errorcode.get(exc.errno, "os_error").lower()
+    return type(exc).__name__.lower()
+
 
 async def _tcp(peer: Peer) -> trio.abc.Stream:
     return await trio.open_tcp_stream(peer.host, peer.port)
@@ -69,7 +96,9 @@ async def dial_forever(
 
     ``connect`` opens a secured stream (see `transport`); an error with a ``reason``
     attribute (a refused TLS handshake) is counted as a refused connection and
-    retried like any other failure.
+    retried like any other failure. Failures are logged by `Telemetry.dial_failed`
+    (rate-limited per peer and reason), a lost link by the session (``link down``)
+    and here (``reconnecting``).
     """
     backoff = backoff or Backoff()
     address = f"{peer.host}:{peer.port}"
@@ -79,18 +108,9 @@ async def dial_forever(
             with trio.fail_after(connect_timeout * 2):
                 stream = await connect(peer)
         except (OSError, trio.TooSlowError, ConvergencedError) as exc:
-            reason = getattr(exc, "reason", None)
-            if reason is not None:
-                hub.telemetry.connection_refused(reason)
             delay = backoff.next()
-            # A refused handshake is a configuration problem worth seeing; a peer that
-            # is simply down is not (backoff already spaces these lines out).
-            (log.warning if reason is not None else log.debug)(
-                "dial failed",
-                peer=peer.node_id,
-                address=address,
-                error=str(exc),
-                retry_in=round(delay, 3),
+            hub.telemetry.dial_failed(
+                peer.node_id, address, dial_failure_reason(exc), str(exc), delay
             )
             await trio.sleep(delay)
             continue
@@ -105,11 +125,5 @@ async def dial_forever(
         if trio.current_time() - started >= stable_after:
             backoff.reset()
         delay = backoff.next()
-        log.info(
-            "link closed",
-            peer=peer.node_id,
-            address=address,
-            reason=reason,
-            retry_in=round(delay, 3),
-        )
+        hub.telemetry.reconnecting(peer.node_id, address, reason, delay)
         await trio.sleep(delay)

@@ -12,7 +12,6 @@ peers that are gone.
 
 from __future__ import annotations
 
-import structlog
 import trio
 
 from convergenced.core.link import LinkConfig, Role
@@ -23,8 +22,6 @@ from convergenced.daemon.peers.dialer import dial_forever
 from convergenced.daemon.peers.session import PeerHub, PeerSession
 from convergenced.daemon.peers.transport import PeerTransport, TransportError
 from convergenced.daemon.telemetry import TOO_MANY_CONNECTIONS
-
-log = structlog.get_logger("convergenced.daemon")
 
 
 def link_config(cfg: Config) -> LinkConfig:
@@ -49,6 +46,26 @@ def dial_plan(cfg: Config) -> list[Peer]:
     return [p for p in cfg.peers if p.node_id in targets]
 
 
+def overlay_peers(cfg: Config) -> frozenset[str]:
+    """The configured peers the overlay links this node to, whichever side dials.
+
+    Every peer in a mesh; past ``mesh_limit``, those this node dials and those that
+    dial it, which can only be the nodes ``2^k`` before it in the sorted ids (see
+    `core.overlay`), so this asks `dial_targets` of a logarithmic number of nodes.
+    """
+    ids = [cfg.node_id, *(p.node_id for p in cfg.peers)]
+    linked = {p.node_id for p in dial_plan(cfg)}
+    order = sorted(set(ids))
+    n, i = len(order), order.index(cfg.node_id)
+    candidates = order[:i] if n <= cfg.mesh_limit else [
+        order[(i - 2**k) % n] for k in range(max(1, (n - 1).bit_length()))
+    ]  # fmt: skip
+    for other in candidates:
+        if other != cfg.node_id and cfg.node_id in dial_targets(ids, other, cfg.mesh_limit):
+            linked.add(other)
+    return frozenset(linked)
+
+
 class PeerManager:
     """The accepting and dialling side of one daemon's peer links."""
 
@@ -57,6 +74,8 @@ class PeerManager:
         self.transport = transport
         self.config = config
         self.dialers: dict[str, trio.CancelScope] = {}
+        self.overlay = overlay_peers(config)
+        """The peers a link is expected to (`overlay_peers`), for the status."""
         self._handshaking = 0
 
     async def accept(self, tcp: trio.SocketStream) -> None:
@@ -88,13 +107,13 @@ class PeerManager:
             expected_peer=authenticated,
             handshake_timeout=limits.handshake_timeout_s,
         )
-        reason = await session.run()
-        log.info("link closed", peer=session.peer, address=address, reason=reason)
+        await session.run()  # which logs the link going down
 
     def start_dialers(self, nursery: trio.Nursery, cfg: Config) -> None:
         """Dial the peers ``cfg``'s plan names; stop dialling (and close the links
         of) those it no longer names."""
         self.config = cfg
+        self.overlay = overlay_peers(cfg)
         wanted = {p.node_id: p for p in dial_plan(cfg)}
         for node_id in list(self.dialers):
             if node_id not in wanted:

@@ -12,7 +12,10 @@ covers every fact it may reveal (`convergenced.core.gate`).
 
 A session that ends for any reason (closed, lost, cancelled, failed) tells its link
 the connection is gone, so the node never keeps counting a link that no longer
-exists (peers would otherwise stop relaying that origin's records to us).
+exists (peers would otherwise stop relaying that origin's records to us). A link is
+logged when it comes up (HELLOs exchanged) and when it goes down, with the reason; a
+connection that ends before its HELLO was refused, and that is logged where it was
+(`Telemetry.peer_violation`, `Telemetry.connection_refused`, the dialer).
 
 `PeerHub` is what the sessions of one daemon share: the node, its gate and the way
 to wait for durability, the link settings, the telemetry, the live sessions, and
@@ -30,6 +33,7 @@ from convergenced.core.errors import ProtocolError, RemoteProtocolError
 from convergenced.core.gate import OutputGate
 from convergenced.core.link import (
     Closed,
+    Established,
     ExchangeDone,
     Link,
     LinkConfig,
@@ -112,6 +116,7 @@ class PeerSession:
         self._reported_bytes = (0, 0)
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
+        self._up = False
 
     @property
     def peer(self) -> str | None:
@@ -139,6 +144,8 @@ class PeerSession:
             self.hub.sessions.discard(self)
             self.link.connection_lost(self.closed_reason or "session ended")
             self.closed_reason = self.closed_reason or "session ended"
+            if self._up and self.peer is not None:
+                self.hub.telemetry.link_down(self.peer, self.address, self.closed_reason)
             with trio.CancelScope(shield=True):
                 # A TLS close_notify can block on a peer that stopped reading.
                 with trio.move_on_after(1) as bounded:
@@ -204,6 +211,11 @@ class PeerSession:
                     self.closed_reason = ev.reason
                 elif isinstance(ev, ExchangeDone):
                     self._exchange_done(ev.seq)
+                elif isinstance(ev, Established):
+                    self._up = True
+                    self.hub.telemetry.link_up(
+                        ev.peer, self.address, self.link.role.value, ev.incarnation
+                    )
             # Tagged now, with every fact applied so far: see the module docstring.
             self._out.send(self.link.data_to_send())
             try:
