@@ -1,32 +1,45 @@
 # Two commands matter: `make demo` (the one-command demo) and `make test`.
-# Both build .venv on first use; the stamp makes later runs a no-op unless
+# Both build .venv on first use. Each installs only what it needs, once: the demo
+# the package and its few dependencies; the tests, linters and benchmarks also the
+# dev tools and PyTorch (pinned to the CPU build: a plain `torch` would pull a
+# multi-GB CUDA one). A stamp per set makes later runs a no-op unless
 # pyproject.toml changed.
 
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+RUN_STAMP := $(VENV)/.installed-run
+DEV_STAMP := $(VENV)/.installed-dev
+TORCH := torch==2.13.0
+PIP_INSTALL := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 
 .PHONY: install demo test lint typecheck pytest bench bench-core bench-daemon clean
 
-install: $(STAMP)
+install: $(DEV_STAMP)
 
-$(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev,torch]' 'torch==2.13.0'
-	touch $(STAMP)
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
 
-demo: $(STAMP)
+$(RUN_STAMP): pyproject.toml | $(BIN)/python
+	$(PIP_INSTALL) -e .
+	touch $@
+
+# The dev set includes the package: the demo needs nothing more after it.
+$(DEV_STAMP): pyproject.toml | $(BIN)/python
+	$(PIP_INSTALL) -e '.[dev,torch]' '$(TORCH)'
+	touch $@ $(RUN_STAMP)
+
+demo: $(RUN_STAMP)
 	$(BIN)/convergenced demo
 
-lint: $(STAMP)
+lint: $(DEV_STAMP)
 	$(BIN)/ruff check convergenced tests benchmarks proto
 	$(BIN)/ruff format --check convergenced tests benchmarks proto
 
-typecheck: $(STAMP)
+typecheck: $(DEV_STAMP)
 	$(BIN)/mypy convergenced
 
-pytest: $(STAMP)
+pytest: $(DEV_STAMP)
 	$(BIN)/pytest -q
 
 test: lint typecheck pytest
@@ -37,7 +50,7 @@ test: lint typecheck pytest
 # (Debian package etcd-server). `make test` runs a quick smoke of each.
 BENCH_OUT := benchmarks/results
 
-bench: $(STAMP)
+bench: $(DEV_STAMP)
 	$(BIN)/python benchmarks/bench_etcd.py --out $(BENCH_OUT)
 	$(BIN)/python benchmarks/bench_training.py --out $(BENCH_OUT)
 	$(BIN)/python benchmarks/bench_training.py --no-step-allreduce --out $(BENCH_OUT)
@@ -47,10 +60,10 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_daemon.py --only convergence --nodes 8 16 --out $(BENCH_OUT)
 	$(BIN)/python benchmarks/report.py $(BENCH_OUT) BENCHMARKS.md
 
-bench-core: $(STAMP)
+bench-core: $(DEV_STAMP)
 	$(BIN)/python benchmarks/bench_core.py
 
-bench-daemon: $(STAMP)
+bench-daemon: $(DEV_STAMP)
 	$(BIN)/python benchmarks/bench_daemon.py
 
 clean:
