@@ -239,3 +239,146 @@ async def test_killed_watchers_never_fill_max_clients() -> None:
             await client.aclose()
     assert reply == {"id": 1, "ok": ["job", "pair"]}
     assert d.errors() == {}
+
+
+# -- 3. decoding costs what the bytes say, and no client's frames stall the others -------
+
+EMPTY_MAPS = b"\x9f" + (b"\xdc\xff\xff" + b"\x80" * 0xFFFF) * 15  # 983,025 empty maps
+
+
+def framed(body: bytes) -> bytes:
+    return codec.LENGTH.pack(len(body)) + body
+
+
+def map_of(**fields: bytes) -> bytes:
+    """A msgpack map from already-packed values (to hand-build hostile bodies)."""
+    out = bytes([0x80 | len(fields)])
+    for key, value in fields.items():
+        out += bytes([0xA0 | len(key)]) + key.encode() + value
+    return out
+
+
+class Decodes:
+    """Counts what reaches msgpack's decoder (objects built), by frame size."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, clock: trio.testing.MockClock | None = None,
+                 cost_s: float = 0.0) -> None:  # fmt: skip
+        self.large = 0
+        real = codec.unpack_strict
+
+        def counted(body: bytes, limits: Any) -> Any:
+            if len(body) > 8192:
+                self.large += 1
+                if clock is not None:
+                    clock.jump(cost_s)  # the loop is busy for that long (virtual time)
+            return real(body, limits)
+
+        monkeypatch.setattr(codec, "unpack_strict", counted)
+
+
+async def exchange(d: Daemon, data: bytes) -> list[Any]:
+    """Send ``data`` on one connection, half-close, read every reply until it closes."""
+    client, daemon_side = trio.testing.memory_stream_pair()
+    got: list[Any] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(d.session(daemon_side).run)
+        await client.send_all(data)
+        await client.send_eof()
+        reader = codec.FrameReader(64 << 20)
+        with trio.fail_after(5):
+            while chunk := await client.receive_some(65536):
+                got += reader.feed(chunk)
+    return got
+
+
+async def test_a_frame_that_is_not_a_map_is_refused_before_anything_is_built(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d, decodes = Daemon(), Decodes(monkeypatch)
+    assert len(EMPTY_MAPS) < Limits().max_frame_bytes
+    (reply,) = await exchange(d, framed(EMPTY_MAPS))
+    assert reply["id"] is None and reply["error"]["reason"] == "undecodable"
+    assert "one msgpack map" in reply["error"]["message"]
+    assert decodes.large == 0
+    assert d.errors() == {"api_errors_undecodable": 1}
+
+
+async def test_a_request_holding_a_million_empty_maps_is_refused_before_they_are_built(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d, decodes = Daemon(), Decodes(monkeypatch)
+    body = map_of(id=b"\x01", op=b"\xa6status", args=map_of(x=EMPTY_MAPS))
+    (reply,) = await exchange(d, framed(body))
+    assert reply["id"] is None and reply["error"]["reason"] == "too_many_objects"
+    assert "limits.max_members" in reply["error"]["message"]
+    assert decodes.large == 0
+    assert d.errors() == {"api_errors_too_many_objects": 1}
+
+
+def big_spec(members: int, ranks: int) -> dict[str, Any]:
+    names = [f"node-{i:04d}-" + "x" * 118 for i in range(members)]  # 128 characters
+    return {
+        "name": "big",
+        "members": {n: list(range(i * ranks, (i + 1) * ranks)) for i, n in enumerate(names)},
+        "policy": {"mode": "all", "domains": ["nvme"]},
+        "retention": 0,
+    }
+
+
+def test_the_largest_declaration_the_limits_allow_is_within_the_budget() -> None:
+    limits = Limits()
+    frame = codec.encode_frame(codec.request(1, "declare", spec=big_spec(limits.max_members, 16)))
+    assert len(frame) <= limits.max_frame_bytes
+    budget = codec.DecodeBudget.for_requests(limits.max_members)
+    reader = codec.FrameReader(limits.max_frame_bytes, budget=budget)
+    (req,) = [codec.parse_request(obj) for obj in reader.feed(frame)]
+    assert len(req.args["fact"].spec.members) == limits.max_members
+
+
+def test_a_declaration_past_the_budget_is_refused_by_name() -> None:
+    budget = codec.DecodeBudget.for_requests(256)
+    spec = big_spec(256, budget.max_objects // 256)  # more ranks than any request holds
+    reader = codec.FrameReader(budget=budget)
+    with pytest.raises(codec.ApiError) as refused:
+        reader.feed(codec.encode_frame(codec.request(1, "declare", spec=spec)))
+    assert refused.value.reason == "too_many_objects"
+
+
+async def test_clients_sending_large_frames_take_turns_and_never_stall_a_commit(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each large frame keeps the event loop busy for 0.2 s (charged in virtual time):
+    # eight clients sending six each hold 9.6 s of work. A commit sent meanwhile
+    # waits for about one of those frames (it needs several turns of the loop, and
+    # it used to wait for a frame of every client at each turn: 3.4 s here).
+    cost = 0.2
+    decodes = Decodes(monkeypatch, autojump_clock, cost)
+    d = Daemon()
+    server = d.server()
+    pad = b"\xda" + (60000).to_bytes(2, "big") + b"x" * 60000
+    hostile = framed(map_of(id=b"\x01", op=b"\xa6status", args=map_of(pad=pad)))
+    async with trio.open_nursery() as nursery:
+
+        async def connect() -> trio.testing.MemoryStream:  # type: ignore[name-defined]
+            client, daemon_side = trio.testing.memory_stream_pair()
+            session = ClientSession(daemon_side, d.ops, d.gate, d.durable, limits=d.limits,
+                                    telemetry=d.telemetry,
+                                    heavy_frames=server.heavy_frames)  # fmt: skip
+            nursery.start_soon(session.run)
+            return client
+
+        flooders = [await connect() for _ in range(8)]
+        well_behaved = await connect()
+        for flooder in flooders:
+            await flooder.send_all(hostile * 6)
+        while decodes.large < 3:  # the flood is under way
+            await trio.sleep(0.01)
+        started = trio.current_time()
+        commit = codec.request(1, "commit", stream="job", rank=0, domain="nvme", epoch=1)
+        await well_behaved.send_all(frames(commit))
+        (ack,) = await replies(well_behaved, codec.FrameReader(), 1)
+        waited = trio.current_time() - started
+        nursery.cancel_scope.cancel()
+    assert ack == {"id": 1, "ok": {"stream": "job", "epoch": 1, "durable": True}}
+    assert decodes.large < 8 * 6  # and not over
+    assert waited <= 2 * cost, f"the commit waited {waited:.1f} s of other clients' frames"

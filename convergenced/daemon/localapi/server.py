@@ -55,6 +55,8 @@ class LocalApiServer:
         self.allowed_gids = frozenset(allowed_gids)
         self.sessions: set[ClientSession] = set()
         self.shutting_down = False
+        self.heavy_frames = trio.Lock()
+        """Large frames are decoded one at a time across sessions (see `session`)."""
 
     def check_peer(self, stream: trio.SocketStream) -> ApiError | None:
         """None when the connected process may use the daemon, else the error to send."""
@@ -100,7 +102,8 @@ class LocalApiServer:
             await self._refuse(stream, err)
             return
         session = ClientSession(stream, self.operations, self.gate, self.durable,
-                                limits=self.limits, telemetry=self.telemetry)  # fmt: skip
+                                limits=self.limits, telemetry=self.telemetry,
+                                heavy_frames=self.heavy_frames)  # fmt: skip
         self.sessions.add(session)
         try:
             await session.run()

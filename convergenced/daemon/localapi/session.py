@@ -9,6 +9,15 @@ for that declaration's fsync like the acknowledgement would. The writer sends wh
 the gate releases, everything releasable in one write, and waits for the group
 commit when nothing is.
 
+Decoding is bounded and shared fairly: the codec refuses a frame that would cost
+more to decode than any request can (see `local_api_codec.DecodeBudget`); a frame
+larger than `HEAVY_FRAME_BYTES` is decoded and parsed under a lock every session
+of the daemon shares, held afterwards for as long again as the work took, so
+however many clients send large frames, they get at most half of the event loop,
+one frame at a time; and the reader lets the others run after each `SLICE_BYTES`
+of small frames. A well-behaved commit then waits for about one frame of someone
+else's work, not for all of it.
+
 Backpressure and stuck clients: the reader stops reading while the replies it
 queued reach ``limits.client_queue``. A client whose replies pile up that high
 while the writer is blocked sending to it has stopped reading: that client alone is
@@ -48,6 +57,12 @@ from convergenced.daemon.telemetry import Telemetry
 
 log = structlog.get_logger("convergenced.api")
 
+HEAVY_FRAME_BYTES = 8192
+"""Frames larger than this are decoded one at a time across the daemon's sessions
+(a smaller one costs at most a couple of milliseconds, even full of empty maps)."""
+SLICE_BYTES = 8192
+"""Bytes of small frames decoded between two turns of the other tasks."""
+
 
 class ClientSession:
     """One connected client process."""
@@ -61,7 +76,10 @@ class ClientSession:
         *,
         limits: Limits,
         telemetry: Telemetry,
+        heavy_frames: trio.Lock | None = None,
     ) -> None:
+        """``heavy_frames``: the lock large frames are decoded under, shared by every
+        session of the daemon (see the module docstring)."""
         self.stream = stream
         self.operations = operations
         self.limits = limits
@@ -79,6 +97,7 @@ class ClientSession:
         self._read_scope = trio.CancelScope()
         self._reading_done = False
         self._draining = False
+        self._heavy = heavy_frames if heavy_frames is not None else trio.Lock()
         self._hung_up = False
         """The connection ended, or the daemon hung up on it: waits end unanswered."""
 
@@ -121,7 +140,8 @@ class ClientSession:
     # -- reading ---------------------------------------------------------------
 
     async def _reader(self) -> None:
-        reader = codec.FrameReader(self.limits.max_frame_bytes)
+        budget = codec.DecodeBudget.for_requests(self.limits.max_members)
+        reader = codec.FrameReader(self.limits.max_frame_bytes, budget=budget)
         while True:
             try:
                 data = bytes(await self.stream.receive_some(65536))
@@ -131,14 +151,13 @@ class ClientSession:
                 self._hung_up = True
                 return
             try:
-                objs = reader.feed(data)
+                bodies = reader.split(data)
             except ApiError as err:
                 # The byte stream cannot be resynchronized: answer, then hang up.
                 self._hung_up = True
                 self._fail(None, err)
                 return
-            for obj in objs:
-                await self._dispatch(obj)
+            await self._serve(reader, bodies)
             if reader.failed is not None:
                 # Requests before the bad frame were served; the stream ends here.
                 self._hung_up = True
@@ -149,12 +168,44 @@ class ClientSession:
                     return
                 await self._drained.wait()
 
-    async def _dispatch(self, obj: Any) -> None:
+    async def _serve(self, reader: codec.FrameReader, bodies: list[bytes]) -> None:
+        """Decode, parse and dispatch ``bodies`` in order, up to one the stream
+        cannot go on after (its error is then in ``reader.failed``)."""
+        unchecked = 0
+        for body in bodies:
+            try:
+                if len(body) > HEAVY_FRAME_BYTES:
+                    async with self._heavy:
+                        began = trio.current_time()
+                        req = self._parse(reader, body)
+                        # As long again for everyone else before the next large frame:
+                        # large frames get at most half of the event loop.
+                        await trio.sleep(trio.current_time() - began)
+                else:
+                    if unchecked > SLICE_BYTES:
+                        await trio.lowlevel.checkpoint()
+                        unchecked = 0
+                    unchecked += len(body)
+                    req = self._parse(reader, body)
+            except ApiError:
+                return  # undecodable: in ``reader.failed``, answered by the reader loop
+            if req is not None:
+                await self._dispatch(req)
+
+    def _parse(self, reader: codec.FrameReader, body: bytes) -> Request | None:
+        """The request in ``body``; None when it was malformed (and answered).
+
+        Raises:
+            ApiError: the body is undecodable, which ends the stream.
+        """
+        obj = reader.decode(body)
         try:
-            req = codec.parse_request(obj)
+            return codec.parse_request(obj)
         except ApiError as err:
             self._fail(err.request_id, err)
-            return
+            return None
+
+    async def _dispatch(self, req: Request) -> None:
         if req.id in self._inflight:
             self._fail(
                 req.id,
