@@ -8,6 +8,7 @@ and the daemon's own interleavings, never a wall-clock threshold.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from slowdisk import slow_log
 
 from convergenced.core import local_api_codec as codec
 from convergenced.core.admission import Admission
-from convergenced.core.facts import Declare
+from convergenced.core.facts import Commit, Declare
 from convergenced.core.gate import OutputGate
 from convergenced.core.link import LinkConfig
 from convergenced.core.node import NodeCore
@@ -27,6 +28,7 @@ from convergenced.daemon.config import Limits
 from convergenced.daemon.localapi.operations import LocalOperations
 from convergenced.daemon.localapi.server import LocalApiServer
 from convergenced.daemon.localapi.session import ClientSession
+from convergenced.daemon.localapi.watches import StreamFeed
 from convergenced.daemon.peers.session import PeerHub
 from convergenced.daemon.telemetry import Telemetry
 
@@ -49,8 +51,9 @@ class Daemon:
         self.node = NodeCore("a", 1)
         self.telemetry = Telemetry()
         self.limits = limits or Limits()
+        self.witness: Any = None
         if tmp_path is not None:
-            self.gate, commits, _ = slow_log(tmp_path, self.node, disk_s)
+            self.gate, commits, self.witness = slow_log(tmp_path, self.node, disk_s)
             self.durable: Any = commits.durable
         else:
             self.gate = OutputGate(self.node)
@@ -382,3 +385,176 @@ async def test_clients_sending_large_frames_take_turns_and_never_stall_a_commit(
     assert ack == {"id": 1, "ok": {"stream": "job", "epoch": 1, "durable": True}}
     assert decodes.large < 8 * 6  # and not over
     assert waited <= 2 * cost, f"the commit waited {waited:.1f} s of other clients' frames"
+
+
+# -- 4. watchers of a stream share one computation of its state per change ---------------
+
+
+class Watchers:
+    """``n`` watches of ``stream`` through the operations, recording their events."""
+
+    def __init__(self, d: Daemon, stream: str, n: int) -> None:
+        self.d, self.stream, self.n = d, stream, n
+        self.events: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+
+    async def run(self, nursery: trio.Nursery) -> None:
+        for i in range(self.n):
+            nursery.start_soon(self.d.ops.watch, self.stream, self._emit(i))
+        await self.all_have(1)
+
+    def _emit(self, i: int) -> Any:
+        return lambda snapshot: self.events[i].append(snapshot.state)
+
+    async def all_have(self, count: int) -> None:
+        with trio.fail_after(5):
+            while any(len(e) < count for e in self.events):
+                await trio.sleep(0.001)
+
+
+class StateCalls:
+    """Counts the computations of each stream's state."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.by_stream: dict[str, int] = {}
+        real = codec.status_to_wire
+
+        def counted(status: Any) -> dict[str, Any]:
+            self.by_stream[status.stream] = self.by_stream.get(status.stream, 0) + 1
+            return real(status)
+
+        monkeypatch.setattr(codec, "status_to_wire", counted)
+
+
+async def test_one_commit_computes_a_watched_stream_once_for_all_its_watchers(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d = Daemon()
+    calls = StateCalls(monkeypatch)
+    job, pair = Watchers(d, "job", 2048), Watchers(d, "pair", 16)
+    async with trio.open_nursery() as nursery:
+        await job.run(nursery)
+        await pair.run(nursery)
+        calls.by_stream.clear()
+        d.ops.submit(Commit("job", 0, "nvme", 1))
+        await job.all_have(2)
+        await trio.sleep(1)  # and nothing more happens
+        nursery.cancel_scope.cancel()
+    assert all(e[-1]["recoverable"] == [[1, 1]] for e in job.events)
+    assert all(len(e) == 1 for e in pair.events)  # pair did not change: no event
+    # Once to publish it and once to see nothing else changed during its fsync,
+    # for 2,048 watchers as for one; pair's state is looked at once, not 16 times.
+    assert calls.by_stream == {"job": 2, "pair": 1}
+
+
+async def test_a_watch_event_waits_for_the_fsync_of_what_it_shows(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    d = Daemon(tmp_path, disk_s=0.03)
+    witness_durable: list[bool] = []
+    seen: list[dict[str, Any]] = []
+
+    def emit(snapshot: Any) -> None:
+        seen.append(snapshot.state)
+        shown = {
+            (0, "nvme", e) for lo, hi in snapshot.state["recoverable"] for e in range(lo, hi + 1)
+        }
+        witness_durable.append(shown <= d.witness.committed())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(d.ops.watch, "job", emit)
+        for epoch in range(1, 6):
+            d.ops.submit(Commit("job", 0, "nvme", epoch))
+            await trio.sleep(0.01)  # commits arrive faster than the disk syncs
+        with trio.fail_after(5):
+            while not seen or seen[-1]["recoverable"] != [[1, 5]]:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert all(witness_durable)
+    assert all(a != b for a, b in itertools.pairwise(seen))  # each one is news
+    assert len(seen) < 6  # coalesced: one per fsync at most
+
+
+async def test_a_change_made_while_an_event_waits_for_its_fsync_is_not_missed(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    d = Daemon(tmp_path, disk_s=0.03)
+    seen: list[dict[str, Any]] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(d.ops.watch, "job", lambda s: seen.append(s.state))
+        await trio.sleep(0.1)
+        d.ops.submit(Commit("job", 0, "nvme", 1))
+        await trio.sleep(0.01)  # the event showing epoch 1 now waits for its fsync
+        d.ops.submit(Commit("job", 0, "nvme", 2))  # and nothing changes after this
+        await trio.sleep(1)
+        nursery.cancel_scope.cancel()
+    assert seen[-1]["recoverable"] == [[1, 2]]
+
+
+async def test_a_watcher_is_never_shown_the_same_state_twice_in_a_row() -> None:
+    states = iter([{"v": "A"}, {"v": "B"}, {"v": "A"}, {"v": "A"}, {"v": "C"}])
+    changes = trio.Event()
+    current: list[dict[str, Any]] = [next(states)]
+
+    async def changed() -> None:
+        await changes.wait()
+
+    async def durable() -> None:
+        pass
+
+    feed = StreamFeed(lambda: current[0], changed, durable)
+    fast_first = await feed.after(None)
+    slow_shown = fast_first  # a watcher that sleeps through B
+    current[0] = next(states)
+    assert (await feed.after(fast_first)).state == {"v": "B"}
+    current[0] = next(states)
+    back_to_a = await feed.after(feed.latest)
+    assert back_to_a.state == {"v": "A"}
+    async with trio.open_nursery() as nursery:
+        got: list[Any] = []
+
+        async def slow() -> None:
+            got.append(await feed.after(slow_shown))
+
+        nursery.start_soon(slow)
+        await trio.testing.wait_all_tasks_blocked()
+        assert got == []  # A again is no news to a watcher that showed A last
+        current[0] = next(states)
+        current[0] = next(states)
+        changes.set()
+    assert got[0].state == {"v": "C"}
+
+
+async def test_a_feed_lives_while_its_stream_is_watched(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    d = Daemon()
+    async with trio.open_nursery() as nursery:
+        scopes = []
+        for _ in range(3):
+            scope = trio.CancelScope()
+            scopes.append(scope)
+
+            async def one(scope: trio.CancelScope = scope) -> None:
+                with scope:
+                    await d.ops.watch("job", lambda s: None)
+
+            nursery.start_soon(one)
+        await trio.sleep(0.1)
+        assert d.ops.feeds["job"].watchers == 3
+        scopes[0].cancel()  # whoever leads, the others go on
+        await trio.sleep(0.1)
+        d.ops.submit(Commit("job", 0, "nvme", 1))
+        await trio.sleep(0.1)
+        assert d.ops.feeds["job"].latest is not None
+        assert d.ops.feeds["job"].latest.state["recoverable"] == [[1, 1]]
+        for scope in scopes[1:]:
+            scope.cancel()
+        await trio.sleep(0.1)
+        assert d.ops.feeds == {}
+
+
+def test_a_shared_event_frame_is_the_event_encoded_byte_for_byte() -> None:
+    state = {"stream": "job", "recoverable": [[1, 5]], "skew": None, "newest": {"a": {"x": 3}}}
+    for rid in (0, 1, 127, 128, 65536, 2**63 - 1):
+        packed = codec.encode_frame(state)[4:]
+        assert codec.event_frame(rid, packed) == codec.encode_frame(codec.event(rid, state))

@@ -36,10 +36,11 @@ from convergenced.core.errors import FactError
 from convergenced.core.facts import Fact
 from convergenced.core.local_api_codec import ApiError, ErrorKind
 from convergenced.core.node import NodeCore
+from convergenced.daemon.localapi.watches import Snapshot, StreamFeed
 from convergenced.daemon.peers.session import PeerHub
 from convergenced.daemon.telemetry import Telemetry
 
-Emit = Callable[[dict[str, Any]], None]
+Emit = Callable[[Snapshot], None]
 """Sends one event of a watch."""
 
 
@@ -71,6 +72,8 @@ class LocalOperations:
         self.telemetry = telemetry
         self._durable = durable
         self._status = status
+        self.feeds: dict[str, StreamFeed] = {}
+        """The watched streams' feeds, while a watch of them is open."""
 
     # -- facts ------------------------------------------------------------------
 
@@ -180,17 +183,25 @@ class LocalOperations:
         """Emit the state now and after every change, until cancelled.
 
         Each event waits for the fsync of what it shows before the next state is
-        taken, so a watcher sees at most one event per group commit.
+        taken, so a watcher sees at most one event per group commit. The watchers
+        of one stream share its `StreamFeed`: one computation per change for all.
         """
         self.admission.known(stream)
-        last: dict[str, Any] | None = None
-        while True:
-            current = self.state(stream)
-            if current != last:
-                await self.durable()
-                emit(current)
-                last = current
-            await self.hub.wait_changed()
+        feed = self.feeds.get(stream)
+        if feed is None:
+            feed = self.feeds[stream] = StreamFeed(
+                lambda: self.state(stream), self.hub.wait_changed, self.durable
+            )
+        feed.watchers += 1
+        try:
+            shown: Snapshot | None = None
+            while True:
+                shown = await feed.after(shown)
+                emit(shown)
+        finally:
+            feed.watchers -= 1
+            if not feed.watchers:
+                del self.feeds[stream]
 
 
 def log_failed(exc: BaseException) -> ApiError:

@@ -53,6 +53,7 @@ from convergenced.daemon.localapi.operations import (
     OpKind,
     log_failed,
 )
+from convergenced.daemon.localapi.watches import Snapshot
 from convergenced.daemon.telemetry import Telemetry
 
 log = structlog.get_logger("convergenced.api")
@@ -237,7 +238,9 @@ class ClientSession:
         self._nursery.start_soon(self._wait, req, scope)
 
     async def _wait(self, req: Request, scope: trio.CancelScope) -> None:
-        emit = lambda ev: self._reply(codec.event(req.id, ev))  # noqa: E731
+        def emit(snapshot: Snapshot) -> None:
+            self._queue(codec.event_frame(req.id, snapshot.packed))
+
         try:
             with scope:
                 try:
@@ -275,7 +278,10 @@ class ClientSession:
         self._reply(codec.error(rid, err))
 
     def _reply(self, msg: dict[str, Any]) -> None:
-        self._out.send(codec.encode_frame(msg))
+        self._queue(codec.encode_frame(msg))
+
+    def _queue(self, frame: bytes) -> None:
+        self._out.send(frame)
         self._ready.set()
         if len(self._out) > self.limit:
             self._stuck()
@@ -331,5 +337,5 @@ class ClientSession:
         self.kill()
 
 
-def _no_events(event: dict[str, Any]) -> None:
+def _no_events(event: Snapshot) -> None:
     raise AssertionError("only waits emit events")  # pragma: no cover
