@@ -43,6 +43,7 @@ from convergenced.daemon.config import Config
 from convergenced.daemon.durability.entries import Entry, Incarnation
 from convergenced.daemon.durability.log_file import FactLog, OpenReport
 from convergenced.daemon.http import HttpEndpoint
+from convergenced.daemon.localapi.descriptors import size_clients
 from convergenced.daemon.localapi.unix_socket import open_unix_listener
 from convergenced.daemon.notify import Notifier
 from convergenced.daemon.peers.manager import link_config
@@ -257,6 +258,9 @@ class Daemon:
                      from_version=report.upgraded_from)  # fmt: skip
         r = self.running = assemble(cfg, wal, entries, telemetry, security,
                                     on_log_failure=self._log_failed)  # fmt: skip
+        # Before any listener: clients get only the descriptors the log, the peers and
+        # the metrics endpoint can spare (a log that meets EMFILE stops the daemon).
+        r.api.max_clients = size_clients(cfg).max_clients
         telemetry.watch(r)
         await r.commits.log_now(Incarnation(r.node.incarnation))
         log.info("starting", version=__version__, incarnation=r.node.incarnation,

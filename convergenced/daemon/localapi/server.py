@@ -4,7 +4,12 @@ Every accepted connection is checked against the peer's kernel credentials
 (`peercred`): root, the daemon's own user, ``[local] allowed_uids`` and members of
 ``allowed_gids`` are served, one `ClientSession` each; anyone else gets one
 ``rejected``/``not_allowed`` error reply naming their uid, and is closed. Past
-``limits.max_clients`` a client gets ``unavailable``/``too_many_clients``.
+the client limit (``limits.max_clients``, or fewer when the descriptor limit leaves
+less room: `descriptors`) a client gets ``unavailable``/``too_many_clients``. At
+most `descriptors.REFUSING` refusals are under way at once (each waits up to a
+second for its client to read the reply); past that a refused connection is
+closed at once, without a reply, so a flood of connections cannot hold more
+descriptors than the reserve kept for them.
 Warnings about refused or misbehaving clients are rate-limited (a local process
 must not be able to flood the log); every refusal is still counted.
 
@@ -26,6 +31,7 @@ from convergenced.core.gate import OutputGate
 from convergenced.core.local_api_codec import ApiError, ErrorKind
 from convergenced.daemon.config import Limits
 from convergenced.daemon.localapi import peercred
+from convergenced.daemon.localapi.descriptors import REFUSING
 from convergenced.daemon.localapi.operations import LocalOperations
 from convergenced.daemon.localapi.session import ClientSession
 from convergenced.daemon.telemetry import Telemetry
@@ -54,7 +60,10 @@ class LocalApiServer:
         self.allowed_uids = frozenset(allowed_uids)
         self.allowed_gids = frozenset(allowed_gids)
         self.sessions: set[ClientSession] = set()
+        self.max_clients = limits.max_clients
+        """The client limit in force (lowered at start when descriptors are short)."""
         self.shutting_down = False
+        self._refusing = 0
         self.heavy_frames = trio.Lock()
         """Large frames are decoded one at a time across sessions (see `session`)."""
 
@@ -93,11 +102,12 @@ class LocalApiServer:
             err = ApiError(ErrorKind.UNAVAILABLE, "shutting_down", "the daemon is shutting down")
             await self._refuse(stream, err)
             return
-        if len(self.sessions) >= self.limits.max_clients:
+        if len(self.sessions) >= self.max_clients:
             err = ApiError(
                 ErrorKind.UNAVAILABLE,
                 "too_many_clients",
-                f"the daemon already serves {self.limits.max_clients} clients (limits.max_clients)",
+                f"the daemon already serves {self.max_clients} clients (limits.max_clients, "
+                f"or fewer when its descriptor limit leaves less room)",
             )
             await self._refuse(stream, err)
             return
@@ -118,13 +128,20 @@ class LocalApiServer:
         ECONNRESET, and the client would report a reset instead of the reason.
         """
         self.telemetry.api_error(err.reason)
-        with trio.move_on_after(1):
-            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                await stream.send_all(codec.encode_frame(codec.error(None, err)))
-                await stream.send_eof()
-                while await stream.receive_some(65536):
-                    pass
-        await trio.aclose_forcefully(stream)
+        if self._refusing >= REFUSING:  # a flood: its descriptors go back at once
+            await trio.aclose_forcefully(stream)
+            return
+        self._refusing += 1
+        try:
+            with trio.move_on_after(1):
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    await stream.send_all(codec.encode_frame(codec.error(None, err)))
+                    await stream.send_eof()
+                    while await stream.receive_some(65536):
+                        pass
+        finally:
+            self._refusing -= 1
+            await trio.aclose_forcefully(stream)
 
     async def drain(self, grace: float) -> None:
         """Stop serving (see the module docstring); give up after ``grace`` seconds."""
