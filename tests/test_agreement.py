@@ -17,7 +17,17 @@ from pulled import clear_events, events, pending_facts
 from convergenced.core.aggregate import MemberAggregate, Summary
 from convergenced.core.agreement import Knowledge
 from convergenced.core.errors import FactError
-from convergenced.core.facts import Commit, Declare, Fact, Freeze, HighWater, Retire, Retract
+from convergenced.core.events import StateLost
+from convergenced.core.facts import (
+    Commit,
+    Declare,
+    Fact,
+    Freeze,
+    HighWater,
+    Incarnation,
+    Retire,
+    Retract,
+)
 from convergenced.core.interval_set import IntervalSet
 from convergenced.core.node import (
     GenerationClosedError,
@@ -579,19 +589,23 @@ def test_a_restarted_node_resumes_from_its_high_water_mark() -> None:
 # -- records about ourselves ---------------------------------------------------------------
 
 
-def test_a_record_claiming_our_current_incarnation_is_ignored() -> None:
+def test_a_record_of_ours_we_did_not_make_lifts_us_above_it_and_changes_nothing_held() -> None:
     n = cluster()
     a, b = n["a"], n["b"]
     commit(a, 1, 2)
-    impostor = NodeCore("a", 1)  # another process using a's identity
+    impostor = NodeCore("a", 1)  # another life (or process) with a's identity
     impostor.apply(Declare(make_spec()))
     commit(impostor, 1, 2, 3, 4, 5, 6)
-    ours = a.own_record(STREAM)
     assert b.receive(list(impostor.view))  # b cannot tell, and keeps the newer version
     kept = a.receive(list(b.view))
     assert [r.origin for r in kept] == ["b"]
-    assert a.own_record(STREAM) == ours
-    assert a.status(STREAM).recoverable == IntervalSet.of(1, 2)
+    mine = a.own_record(STREAM)
+    assert mine is not None and mine.incarnation == 2  # above the life it did not make
+    assert Incarnation(2) in pending_facts(a)
+    assert StateLost(1, 2) in events(a)
+    assert a.status(STREAM).recoverable == IntervalSet.of(1, 2)  # its claims are not ours
+    b.receive(list(a.view))
+    assert b.view.get((STREAM, "a")) == mine  # peers take the honest record
 
 
 def test_our_record_from_a_previous_life_is_kept_but_does_not_drive_our_state() -> None:

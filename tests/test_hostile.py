@@ -530,8 +530,12 @@ def peer_oracle(
                 out.violation = "out_of_order"
             else:
                 for rec in msg.records:
-                    if rec.origin == receiver and rec.incarnation >= incarnation:
+                    mine = held.get(rec.key)
+                    this_life = rec.incarnation == incarnation and mine is not None
+                    if rec.origin == receiver and this_life and rec.stamp <= mine:
                         continue  # "ourselves, this life": ignored, not counted
+                    # Any other record of the receiver's origin is checked like all
+                    # (a genuine one of a life it lost would lift it above that life).
                     if rec.origin not in members:
                         out.records["unknown_origin"] += 1
                     elif rec.origin == identity:

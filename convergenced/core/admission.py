@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from convergenced.core.errors import FactError, SpecConflictError, SpecError
-from convergenced.core.facts import Commit, Declare, Fact, Retire, Retract
+from convergenced.core.facts import Commit, Declare, Fact, Incarnation, Retire, Retract
 from convergenced.core.gate import OutputGate
 from convergenced.core.local_api_codec import ApiError, ErrorKind
 from convergenced.core.node import NodeCore
@@ -75,6 +75,7 @@ class Admission:
             return {"stream": fact.spec.name, "digest": fact.spec.digest.hex()}
         if isinstance(fact, Commit | Retract | Retire):
             return {"stream": fact.stream, "epoch": fact.epoch, "durable": True}
+        assert not isinstance(fact, Incarnation)  # the core refuses it: never a client's
         return {"stream": fact.stream, "durable": True}
 
     def known(self, stream: str) -> None:

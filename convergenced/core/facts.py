@@ -88,6 +88,8 @@ class HighWater:
     that justified this restore point. After a restart, records older than that are
     stale (a relay can bring them back) and must not pass for a loss: they are
     ignored until fresher ones arrive, so a restart never fakes a rollback (S3).
+    An entry for the node itself marks a mark adopted from its own record of a life
+    it does not remember (`lives`, rule 3).
     """
 
     stream: str
@@ -125,7 +127,30 @@ class RankState:
     retired: IntervalSet
 
 
-Fact = Declare | Commit | Retract | Retire | Freeze | HighWater | CloseGenerations | RankState
+@dataclass(frozen=True, slots=True)
+class Incarnation:
+    """This node's ``number``-th life: logged at every start (before anything of it
+    can leave), and by the core when it learns of a life of its own it does not
+    remember (its state was lost), above that one.
+
+    Records are ordered per origin by (incarnation, version), so a node's stamps
+    never go backwards as long as every incarnation it ever used is above the last.
+    """
+
+    number: int
+
+
+Fact = (
+    Declare
+    | Commit
+    | Retract
+    | Retire
+    | Freeze
+    | HighWater
+    | CloseGenerations
+    | RankState
+    | Incarnation
+)
 EpochFact = Commit | Retract | Retire
 
 
@@ -142,7 +167,10 @@ class StreamFacts:
     high_water: int | None = None
     evidence: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Per other member, the newest (incarnation, version) a high-water mark rested on
-    (merged over every `HighWater`; log compaction writes it back as one)."""
+    (merged over every `HighWater`; log compaction writes it back as one). An entry
+    for this node itself means the mark was adopted from a life it does not remember
+    (`lives`, rule 3): it bounds the rollback floor but never stands in for a
+    restore point after a restart."""
     _rank_sets: dict[int, IntervalSet] = field(default_factory=dict)
     _recoverable: IntervalSet = field(default_factory=IntervalSet)
     _ranks: tuple[int, ...] = ()
@@ -160,6 +188,11 @@ class StreamFacts:
     def ranks(self) -> tuple[int, ...]:
         """The ranks this node hosts in the stream."""
         return self._ranks
+
+    @property
+    def high_water_adopted(self) -> bool:
+        """Whether the high-water mark came from a life this node does not remember."""
+        return self.node in self.evidence
 
     @property
     def recoverable(self) -> IntervalSet:

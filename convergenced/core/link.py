@@ -215,6 +215,7 @@ class Link:
         self._nudged = False  # we sent NUDGE this token period
         self._nudge_received = False  # peer nudged us this token period
         self._peer_matched = False  # peer's last message said it matched our digest
+        self._told_all = False
         self._peer_links: frozenset[str] = frozenset()
         """Origins whose records we do not send on this link: the nodes the peer last
         said it is linked to (their records are theirs to send) and the peer itself."""
@@ -402,6 +403,7 @@ class Link:
         self.in_sync = hello.digest == self.node.view.digest
         self._events.append(Established(hello.node, hello.incarnation))
         self.node.link_up(hello.node)
+        self.node.hello_from(hello.node, hello.incarnation, hello.summary)
 
     def _closed(self, reason: str, err: ProtocolError | None = None) -> None:
         self._events.append(Closed(reason, err))
@@ -409,13 +411,15 @@ class Link:
             self.node.link_down(self.peer)
 
     def _note_peer_links(self, links: tuple[str, ...]) -> None:
-        # Never skip our own records (the peer is linked to us, of course), and never
-        # send the peer its own (it ignores any record of itself it did not make).
+        # Never skip our own records (the peer is linked to us, of course). The peer's
+        # own records are not skipped either: the known stamps keep its current ones
+        # from bouncing back, and any we hold that it lacks are from a life it lost
+        # (see `lives`), which it must hear of.
         me = self.node.node_id
         skip = set(links)
         skip.discard(me)
         if self.peer is not None:
-            skip.add(self.peer)
+            skip.discard(self.peer)
         gone = self._peer_links - skip
         self._peer_links = frozenset(skip)
         if gone:
@@ -433,6 +437,13 @@ class Link:
         if kept:
             self._events.append(RecordsMerged(tuple(kept)))
         self.in_sync = digest == self.node.view.digest
+        if not self._told_all and self.peer is not None:
+            me = self.node.node_id
+            if self.in_sync or not any(r.origin == me for r in records):
+                # The peer sends our own records first: none in this message means it
+                # holds no more of them (or our views are equal).
+                self._told_all = True
+                self.node.told_all_of_ours(self.peer)
         if self.in_sync:
             # The peer held, when it sent this, exactly our view now: nothing changed
             # before this point needs sending, whatever our bookkeeping says.
@@ -467,6 +478,11 @@ class Link:
         fresh = view.changed_since(self._sent_seq)
         self._sent_seq = view.seq
         pending = self._backlog + fresh
+        # The peer's own records first (rarely any: only those of a life it lost), so
+        # that a message without one tells it we hold no more of them (see `lives`).
+        pending.sort(key=lambda r: r.origin != self.peer)
+        me = self.node.node_id
+        made_here = self.node.made_here_record
         out: list[Record] = []
         budget = self.config.limits.max_frame_bytes // 2
         limit = self.config.limits.max_records
@@ -476,6 +492,8 @@ class Link:
             current = view.get(rec.key) or rec
             if current.key in seen or current.origin in self._peer_links:
                 continue
+            if current.origin == me and not made_here(current):
+                continue  # from a life of ours we lost: it would pass for our current one
             s = known.get(current.key)
             if s is not None and current.stamp <= s:
                 continue
@@ -504,8 +522,9 @@ class Link:
         cap = self.config.limits.max_summary
         budget = self.config.limits.max_frame_bytes // 2
         summary: list[tuple[str, str, int, int]] = []
-        for r in view:
-            entry = (r.stream, r.origin, r.incarnation, r.version)
+        # The peer's own records first: a cut summary must never hide from a node
+        # that lost its state the records of its that we hold (see `lives`).
+        for entry in self.node.hello_summary(first=self.config.expected_peer):
             budget -= len(pack(list(entry)))
             if len(summary) >= cap or budget < 0:
                 break

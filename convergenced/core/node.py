@@ -28,10 +28,16 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 
 from convergenced.core.agreement import Decision, Knowledge, StreamAgreement
-from convergenced.core.errors import SpecConflictError, SpecError, UnknownStreamError
+from convergenced.core.errors import FactError, SpecConflictError, SpecError, UnknownStreamError
+from convergenced.core.events import (
+    GenerationResolved,
+    NodeEvent,
+    RestorePointChanged,
+    SpecConflictDetected,
+    StateLost,
+)
 from convergenced.core.facts import (
     CloseGenerations,
     Commit,
@@ -39,6 +45,7 @@ from convergenced.core.facts import (
     Fact,
     Freeze,
     HighWater,
+    Incarnation,
     RankState,
     Retire,
     Retract,
@@ -47,46 +54,14 @@ from convergenced.core.facts import (
 from convergenced.core.generations import (
     GenerationAnswer,
     GenerationClosedError,
-    Generations,
     resolve,
 )
 from convergenced.core.interval_set import IntervalSet
+from convergenced.core.lives import EarlierLives, PastLives
 from convergenced.core.records import MAX_RANGES, Record, View
 from convergenced.core.spec import StreamSpec
-
-# -- events -------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class RestorePointChanged:
-    """Our restore point moved; ``rollback`` when it moved backwards or vanished."""
-
-    stream: str
-    old: int | None
-    new: int | None
-    rollback: bool
-
-
-@dataclass(frozen=True, slots=True)
-class SpecConflictDetected:
-    """A member published a record under a different spec digest."""
-
-    stream: str
-    member: str
-    digest: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationResolved:
-    """Every member's frozen set of ``generation`` is known; its answer is final."""
-
-    stream: str
-    generation: int
-    restore_point: int | None
-
-
-NodeEvent = RestorePointChanged | SpecConflictDetected | GenerationResolved
-
+from convergenced.core.status import StreamStatus, describe
+from convergenced.core.stream_state import StreamState
 
 __all__ = [
     "GenerationAnswer",
@@ -96,46 +71,12 @@ __all__ = [
     "NodeEvent",
     "RestorePointChanged",
     "SpecConflictDetected",
+    "StateLost",
     "StreamStatus",
 ]
 
 
-@dataclass(frozen=True, slots=True)
-class StreamStatus:
-    """Everything a client may want to know about one stream on this node."""
-
-    stream: str
-    spec: StreamSpec
-    recoverable: IntervalSet
-    convergence: IntervalSet | None
-    proposal: int | None
-    restore_point: int | None
-    knowledge: Knowledge
-    high_water: int | None
-    rollback_floor: int | None
-    gc_horizon: int | None
-    safe_to_delete: IntervalSet
-    missing: tuple[str, ...]
-    conflicts: tuple[tuple[str, str], ...]
-    newest: dict[str, dict[str, int]]
-    """Per member, per domain, the newest epoch all its ranks hold."""
-    skew: int | None
-    """max - min over members of their newest recoverable epoch (None if unknown)."""
-    generations: tuple[int, ...]
-
-
-@dataclass(slots=True)
-class _Stream:
-    facts: StreamFacts
-    agreement: StreamAgreement
-    decision: Decision | None = None
-
-    @property
-    def generations(self) -> Generations:
-        return self.facts.generations
-
-
-class NodeCore:
+class NodeCore(EarlierLives):
     """One node's protocol state. See the module docstring for the contract."""
 
     def __init__(
@@ -145,10 +86,14 @@ class NodeCore:
         *,
         sign: Callable[[Record], Record] | None = None,
         verify: Callable[[Record, str | None], str | None] | None = None,
+        unsure_of_past: bool = False,
     ) -> None:
         """Args:
         node_id: this node.
         incarnation: bumped (and persisted) at every start.
+        unsure_of_past: the node starts without a log (a first start, or a lost
+            state directory): it waits to hear from the members it links to before
+            publishing anything of a stream (see `lives`).
         sign: returns a record with our signature set; applied to every record we
             publish. None: records are published unsigned (simulator, insecure mode).
         verify: given a received record and the authenticated peer it came from,
@@ -161,11 +106,14 @@ class NodeCore:
         self._sign = sign
         self._verify = verify
         self.view = View()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, StreamState] = {}
         self._version = 0
         self._pending_facts: list[Fact] = []
         self._events: deque[NodeEvent] = deque()
         self._links: dict[str, int] = {}
+        self._lives = PastLives(node_id, unsure_of_past)
+        self._started_at = incarnation
+        """Lives of ours at or above this one are lives this process does not remember."""
 
     # -- pulling output -------------------------------------------------------
 
@@ -212,6 +160,8 @@ class NodeCore:
         if isinstance(fact, Declare):
             self._check_declare(fact.spec)
             return
+        if isinstance(fact, Incarnation):
+            raise FactError("incarnations are the node's own facts", reason="not_a_client_fact")
         st = self._streams.get(fact.stream)
         if st is None:
             raise UnknownStreamError(fact.stream)
@@ -242,7 +192,8 @@ class NodeCore:
         """
         touched: set[str] = set()
         for fact in facts:
-            touched.add(self._apply(fact))
+            if not isinstance(fact, Incarnation):  # the caller started us above them
+                touched.add(self._apply(fact))
         for name in sorted(touched):
             self._refresh(name)
 
@@ -250,8 +201,12 @@ class NodeCore:
         self.check(fact)
         if isinstance(fact, Declare):
             if fact.spec.name not in self._streams:
-                self._streams[fact.spec.name] = self._new_stream(fact.spec)
+                st = self._streams[fact.spec.name] = self._new_stream(fact.spec)
+                st.settled = not self._waiting_for(st)
+                if st.settled:
+                    self._adopt(st)
             return fact.spec.name
+        assert not isinstance(fact, Incarnation)
         st = self._streams[fact.stream]
         if isinstance(fact, Commit | Retract | Retire):
             st.facts.apply(fact)
@@ -262,10 +217,13 @@ class NodeCore:
         elif isinstance(fact, HighWater):
             hw = st.facts.high_water
             if hw is None or fact.epoch >= hw:
+                if hw is None or fact.epoch > hw:
+                    st.facts.evidence.pop(self.node_id, None)  # no longer adopted
                 st.facts.high_water = fact.epoch
                 for member, inc, ver in fact.evidence:
-                    st.agreement.fresh_from[member] = (inc, ver)
                     st.facts.evidence[member] = (inc, ver)
+                    if member != self.node_id:
+                        st.agreement.fresh_from[member] = (inc, ver)
         elif isinstance(fact, RankState):
             st.facts.restore_rank(fact)
         return fact.stream
@@ -288,8 +246,8 @@ class NodeCore:
                     f"member {origin} declared a different spec",
                 )  # fmt: skip
 
-    def _new_stream(self, spec: StreamSpec) -> _Stream:
-        st = _Stream(StreamFacts(spec, self.node_id), StreamAgreement(spec, self.node_id))
+    def _new_stream(self, spec: StreamSpec) -> StreamState:
+        st = StreamState(StreamFacts(spec, self.node_id), StreamAgreement(spec, self.node_id))
         st.agreement.observe_many(list(self.view.stream(spec.name).values()))
         return st
 
@@ -308,7 +266,7 @@ class NodeCore:
             GenerationClosedError: a newer generation is already resolved.
         """
         st = self._stream(stream)
-        if not st.generations.needs_freeze(generation):
+        if not st.generations.needs_freeze(generation) or not st.settled:
             return None
         recoverable = st.facts.recoverable
         hw = st.facts.high_water
@@ -354,15 +312,23 @@ class NodeCore:
         kept: list[Record] = []
         by_stream: dict[str, list[Record]] = {}
         verify = self._verify
+        past: list[Record] = []
         for rec in records:
-            if rec.origin == self.node_id and rec.incarnation >= self.incarnation:
-                continue
+            own = rec.origin == self.node_id
+            if own and self.made_here(rec.stream, rec.incarnation, rec.version):
+                continue  # one of our own, come back
             if verify is not None and verify(rec, via) is not None:
                 continue
-            if self.view.merge(rec):
+            if own and self._forgotten(rec.incarnation):
+                past.append(rec)  # a life we do not remember (rule 3 of `lives`)
+                continue
+            merged = self.view.merge(rec)
+            if merged:
                 kept.append(rec)
-                if rec.stream in self._streams:
-                    by_stream.setdefault(rec.stream, []).append(rec)
+            if via == rec.origin and self._from_its_origin(rec):
+                continue  # re-evaluated with the evidence gone
+            if merged and rec.stream in self._streams:
+                by_stream.setdefault(rec.stream, []).append(rec)
         for name in sorted(by_stream):
             # A batch may hold several versions of one origin: the view's winner counts.
             winners = {r.origin: r for r in by_stream[name]}
@@ -370,6 +336,8 @@ class NodeCore:
             for rec in self._streams[name].agreement.observe_many(current):
                 self._events.append(SpecConflictDetected(name, rec.origin, rec.spec_digest))
             self._refresh(name)
+        if past:
+            self._learn_past(past)
         return kept
 
     # -- queries --------------------------------------------------------------
@@ -404,7 +372,7 @@ class NodeCore:
         return GenerationAnswer(generation, False, None, waiting)
 
     def _frozen_sets(
-        self, st: _Stream, generation: int
+        self, st: StreamState, generation: int
     ) -> Iterator[tuple[str, IntervalSet | None]]:
         """Every member's frozen set of ``generation`` as we know it (None: unknown)."""
         records = self.view.stream(st.facts.spec.name)
@@ -417,7 +385,7 @@ class NodeCore:
             ok = rec is not None and rec.spec_digest == digest
             yield member, rec.generation(generation) if rec is not None and ok else None
 
-    def _resolve_ready(self, st: _Stream) -> None:
+    def _resolve_ready(self, st: StreamState) -> None:
         """Resolve our open generations whose last frozen set just became known."""
         name = st.facts.spec.name
         for g in st.generations.unresolved():
@@ -433,46 +401,10 @@ class NodeCore:
     def status(self, stream: str) -> StreamStatus:
         """A consistent snapshot of ``stream`` as this node sees it."""
         st = self._stream(stream)
-        d = st.decision
-        assert d is not None  # every declared stream was refreshed at least once
-        records = self.view.stream(stream)
-        newest: dict[str, dict[str, int]] = {}
-        tops: list[int] = []
-        for member in st.facts.spec.member_ids:
-            if member == self.node_id:
-                newest[member] = st.facts.newest_by_domain()
-                top = st.facts.recoverable.max()
-            else:
-                rec = records.get(member)
-                if rec is None or member in st.agreement.conflicts:
-                    continue
-                newest[member] = dict(rec.newest)
-                top = rec.recoverable.max()
-            if top is not None:
-                tops.append(top)
-        complete = len(tops) == len(st.facts.spec.member_ids)
-        skew = max(tops) - min(tops) if complete else None
-        missing = tuple(
-            m for m in st.facts.spec.member_ids if m != self.node_id and m not in records
-        )
-        return StreamStatus(
-            stream=stream,
-            spec=st.facts.spec,
-            recoverable=st.facts.recoverable,
-            convergence=d.convergence,
-            proposal=d.proposal,
-            restore_point=d.restore_point,
-            knowledge=d.knowledge,
-            high_water=st.facts.high_water,
-            rollback_floor=d.floor,
-            gc_horizon=st.agreement.gc_horizon(),
-            safe_to_delete=self.safe_to_delete(stream),
-            missing=missing,
-            conflicts=tuple(sorted((m, dg.hex()) for m, dg in st.agreement.conflicts.items())),
-            newest=newest,
-            skew=skew,
-            generations=tuple(g for g, _ in st.generations.open_sets()),
-        )
+        assert st.decision is not None  # every declared stream was refreshed at least once
+        return describe(self.node_id, st.facts, st.agreement, decision=st.decision,
+                        records=self.view.stream(stream),
+                        safe_to_delete=self.safe_to_delete(stream))  # fmt: skip
 
     def restore_point(self, stream: str) -> int | None:
         """Our current restore point of ``stream``."""
@@ -487,7 +419,7 @@ class NodeCore:
         """
         st = self._stream(stream)
         horizon = st.agreement.gc_horizon()
-        if horizon is None or horizon == 0:
+        if horizon is None or horizon == 0 or not st.settled:
             return IntervalSet()
         protected = [s for _, s in st.generations.open_sets()]
         for origin, rec in self.view.stream(stream).items():
@@ -502,7 +434,7 @@ class NodeCore:
 
     # -- internals ------------------------------------------------------------
 
-    def _stream(self, name: str) -> _Stream:
+    def _stream(self, name: str) -> StreamState:
         st = self._streams.get(name)
         if st is None:
             raise UnknownStreamError(name)
@@ -511,21 +443,32 @@ class NodeCore:
     def _refresh(self, name: str) -> None:
         st = self._streams[name]
         f = st.facts
+        if not st.settled:
+            # Unsure of our past: no restore point yet, neither reported nor published;
+            # once settled, the adopted high-water mark stands in for the lost one.
+            st.decision = Decision(None, None, None, f.high_water, False, None,
+                                   Knowledge.INCOMPLETE)  # fmt: skip
+            return
         prev = st.decision
         recoverable = f.recoverable.newest_ranges(MAX_RANGES)
         # With no restore point (after a restart, or after losing it) the high-water
         # mark stands in for it: it was valid, and starting from it keeps S3 across
         # crashes and reports a lower point as the rollback it is.
+        # An adopted mark (`lives`, rule 3) may be older than what the peers used, so
+        # it only bounds the rollback floor; it never stands in.
         previous = prev.restore_point if prev is not None else None
+        if previous is None and not f.high_water_adopted:
+            previous = f.high_water
         d = st.agreement.decide(
             recoverable,
-            previous if previous is not None else f.high_water,
+            previous,
             prev.proposal if prev else None,
             f.high_water,
         )
         st.decision = d
         if d.high_water != f.high_water and d.high_water is not None:
             f.high_water = d.high_water
+            f.evidence.pop(self.node_id, None)  # our own mark now, not an adopted one
             records = self.view.stream(name)
             evidence = tuple(
                 (m, r.incarnation, r.version)
@@ -540,9 +483,11 @@ class NodeCore:
         self._resolve_ready(st)
         self._publish(st)
 
-    def _publish(self, st: _Stream) -> None:
+    def _publish(self, st: StreamState) -> None:
         f, d = st.facts, st.decision
         assert d is not None
+        if not st.settled:
+            return  # nothing of ours leaves before we know our past (see `lives`)
         newest = tuple(sorted(f.newest_by_domain().items()))
         gens = st.generations.open_sets()
         # A record carries at most MAX_RANGES ranges, which peers enforce: the oldest

@@ -96,7 +96,9 @@ class Config:
     """Plaintext peer links and unsigned records: only for a throwaway local cluster."""
     tls: TlsFiles | None = None
     identity: Path | None = None
-    """This node's Ed25519 key (``convergenced keygen``); default state_dir/identity.key."""
+    """This node's Ed25519 key (``convergenced keygen``); default state_dir/identity.key.
+    Kept outside the state directory, it (and the incarnation floor beside it)
+    outlives a lost state directory."""
     trust: tuple[tuple[str, str], ...] = ()
     """(node id, public key hex) of every other node: records are verified against it."""
     allowed_uids: tuple[int, ...] = ()
@@ -109,6 +111,13 @@ class Config:
     def identity_path(self) -> Path:
         """Where this node's identity key is."""
         return self.identity or self.state_dir / "identity.key"
+
+    @property
+    def incarnation_floor_path(self) -> Path:
+        """Where the incarnation floor lives: beside the identity key
+        (`durability.floor`)."""
+        key = self.identity_path
+        return key.with_name(key.name + ".incarnation")
 
 
 _TOP = {

@@ -37,10 +37,12 @@ import structlog
 import trio
 
 from convergenced import __version__
+from convergenced.core.events import StateLost
 from convergenced.daemon import config as config_mod
 from convergenced.daemon import logs
 from convergenced.daemon.config import Config
 from convergenced.daemon.durability.entries import Entry, Incarnation
+from convergenced.daemon.durability.floor import IncarnationFloor
 from convergenced.daemon.durability.log_file import FactLog, OpenReport
 from convergenced.daemon.http import HttpEndpoint
 from convergenced.daemon.localapi.descriptors import size_clients
@@ -194,6 +196,8 @@ class Daemon:
         self.ready = False
         self.fatal: BaseException | None = None
         """Why the daemon stopped on its own (the log failed), if it did."""
+        self._floor: IncarnationFloor | None = None
+        self._floor_warned = False
         self._stop = trio.Event()
         self._stop_reason = ""
         self._nursery: trio.Nursery | None = None
@@ -256,12 +260,18 @@ class Daemon:
         if report.upgraded_from is not None:
             log.info("write-ahead log rewritten in the current format",
                      from_version=report.upgraded_from)  # fmt: skip
+        # The floor lives beside the identity key; a node without one (insecure, or
+        # alone) has nowhere outside its state directory to keep it.
+        if security.sign is not None:
+            self._floor = IncarnationFloor(cfg.incarnation_floor_path)
         r = self.running = assemble(cfg, wal, entries, telemetry, security,
-                                    on_log_failure=self._log_failed)  # fmt: skip
+                                    on_log_failure=self._log_failed,
+                                    floor=self._floor.read() if self._floor else 0)  # fmt: skip
         # Before any listener: clients get only the descriptors the log, the peers and
         # the metrics endpoint can spare (a log that meets EMFILE stops the daemon).
         r.api.max_clients = size_clients(cfg).max_clients
         telemetry.watch(r)
+        self._keep_floor(r.node.incarnation)
         await r.commits.log_now(Incarnation(r.node.incarnation))
         log.info("starting", version=__version__, incarnation=r.node.incarnation,
                  facts=len(entries), streams=len(r.node.streams()),
@@ -324,6 +334,18 @@ class Daemon:
         if r.commits.failure is None:
             await r.commits.durable()
 
+    def _keep_floor(self, incarnation: int) -> None:
+        """Write ``incarnation`` beside the identity key (`durability.floor`)."""
+        if self._floor is None:
+            return
+        if not self._floor.write(incarnation) and not self._floor_warned:
+            self._floor_warned = True
+            log.warning(
+                "cannot keep the incarnation floor beside the identity key; if the state "
+                "directory is lost, this node relies on its peers to rise above its "
+                "earlier lives", path=str(self._floor.path),
+            )  # fmt: skip
+
     def _log_failed(self, exc: BaseException) -> None:
         # Nothing more can be acknowledged (see `group_commit`): stop, and let the
         # restart replay what is really on disk.
@@ -338,6 +360,8 @@ class Daemon:
             await r.hub.wait_changed()
             while (ev := r.node.next_event()) is not None:
                 r.telemetry.node_event(ev)
+                if isinstance(ev, StateLost):
+                    self._keep_floor(ev.incarnation)
 
     def _prime_metrics(self) -> None:
         r = self.running

@@ -81,6 +81,8 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("rollbacks", "counter", S, "backward moves of the restore point (after losses)"),
     _m("retractions", "counter", S, "epochs reported lost or corrupt"),
     _m("spec_conflicts", "counter", S, "members seen publishing a different spec for the stream"),
+    _m("state_losses", "counter", (), "times this node learned of a life of its own it did not "
+       "remember (its state directory was lost) and rose above it"),
     # -- peers
     _m("peer_up", "gauge", P, "1 while an established link to the peer is up"),
     _m("peer_exchange_rtt_seconds", "histogram", P,

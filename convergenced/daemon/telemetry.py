@@ -30,6 +30,7 @@ from convergenced.core.node import (
     NodeEvent,
     RestorePointChanged,
     SpecConflictDetected,
+    StateLost,
 )
 from convergenced.core.records import Record
 from convergenced.daemon.metrics import StateCollector, StateSource, spec
@@ -78,6 +79,7 @@ class Telemetry:
         self.retractions = _counter("retractions", r)
         self.rollbacks = _counter("rollbacks", r)
         self.spec_conflicts = _counter("spec_conflicts", r)
+        self.state_losses = _counter("state_losses", r)
         self.api_errors = _counter("api_errors", r)
         self.frames_rejected = _counter("frames_rejected", r)
         self.records_rejected = _counter("records_rejected", r)
@@ -174,6 +176,12 @@ class Telemetry:
             self.spec_conflicts.labels(stream=ev.stream).inc()
             log.error("member declared a different spec", stream=ev.stream, member=ev.member,
                       digest=ev.digest.hex()[:16])  # fmt: skip
+        elif isinstance(ev, StateLost):
+            self.state_losses.inc()
+            log.warning("this node's state was lost: it found an earlier life of its own it "
+                        "does not remember, rose above it and adopted what that life "
+                        "published", seen_incarnation=ev.seen,
+                        incarnation=ev.incarnation)  # fmt: skip
         elif isinstance(ev, GenerationResolved):
             log.info("recovery generation resolved", stream=ev.stream,
                      generation=ev.generation, restore_point=ev.restore_point)  # fmt: skip
@@ -302,6 +310,7 @@ class Telemetry:
                 add(f"peer_rejected_{reason}", v)
         for name, counter in (("peer_reconnects", self.reconnects), ("rollbacks", self.rollbacks),
                               ("spec_conflicts", self.spec_conflicts),
+                              ("state_losses", self.state_losses),
                               ("wal_entries", self.wal_entries),
                               ("wal_compactions", self.wal_compactions)):  # fmt: skip
             for _, v in _samples(counter):

@@ -21,6 +21,7 @@ from convergenced.core import local_api_codec as codec
 from convergenced.core.admission import Admission
 from convergenced.core.gate import OutputGate
 from convergenced.core.node import NodeCore
+from convergenced.core.overlay import links
 from convergenced.daemon.config import Config
 from convergenced.daemon.durability.entries import Entry, Incarnation
 from convergenced.daemon.durability.group_commit import GroupCommit
@@ -144,9 +145,17 @@ class Running:
         return [Incarnation(self.node.incarnation), *self.node.compacted_facts()]
 
 
-def incarnation_after(entries: list[Entry]) -> int:
-    """The incarnation of a daemon starting on a log holding ``entries``."""
-    return 1 + max((e.number for e in entries if isinstance(e, Incarnation)), default=0)
+def incarnation_after(entries: list[Entry], floor: int = 0) -> int:
+    """The incarnation of a daemon starting on a log holding ``entries``, with this
+    incarnation floor (`durability.floor`): one above both."""
+    return 1 + max([floor, *(e.number for e in entries if isinstance(e, Incarnation))])
+
+
+def planned_links(cfg: Config) -> list[str]:
+    """The peers this node links to, dialling or accepting (the overlay of `overlay`)."""
+    ids = [cfg.node_id, *(p.node_id for p in cfg.peers)]
+    return sorted({b if a == cfg.node_id else a for a, b in links(ids, cfg.mesh_limit)
+                   if cfg.node_id in (a, b)})  # fmt: skip
 
 
 def assemble(
@@ -157,11 +166,16 @@ def assemble(
     security: PeerSecurity,
     *,
     on_log_failure: Callable[[BaseException], None],
+    floor: int = 0,
 ) -> Running:
     """Rebuild the node from ``entries`` and build every part around it."""
-    node = NodeCore(cfg.node_id, incarnation_after(entries),
-                    sign=security.sign, verify=security.verify)  # fmt: skip
-    node.replay(e for e in entries if not isinstance(e, Incarnation))
+    # A log without any incarnation is a first start, or a lost state directory: the
+    # node then waits to hear of its earlier lives before publishing (`core.lives`).
+    fresh = not any(isinstance(e, Incarnation) for e in entries)
+    node = NodeCore(cfg.node_id, incarnation_after(entries, floor), sign=security.sign,
+                    verify=security.verify, unsure_of_past=fresh)  # fmt: skip
+    node.plan_links(planned_links(cfg))
+    node.replay(entries)
     for _ in iter(node.next_event, None):
         pass  # what replay reports is old news
     gate = OutputGate(node)

@@ -15,7 +15,11 @@ fast or slow); every other fault is an event:
 * ``pause``: a daemon stops processing for a while (a GC pause, a stopped VM);
 * ``replay``: old records, from anywhere, arrive again;
 * ``retract``: a rank loses an epoch it had committed (and sometimes the job
-  restarts into a new recovery generation).
+  restarts into a new recovery generation);
+* ``lose_state``: a daemon dies and its state directory is lost (a replaced disk, a
+  rescheduled pod): it comes back later from an empty log, with its identity and
+  its checkpoints (sometimes without the incarnation floor kept beside its key),
+  and its ranks commit again what they still hold.
 """
 
 from __future__ import annotations
@@ -30,7 +34,10 @@ from convergenced.sim.network import STREAM, Network
 from convergenced.sim.node import SimNode
 from convergenced.sim.oracle import Truth
 
-FAULTS = ("reset", "delay", "clog", "partition", "crash", "pause", "skew", "replay", "retract")
+FAULTS = (
+    "reset", "delay", "clog", "partition", "crash", "pause", "skew", "replay", "retract",
+    "lose_state",
+)  # fmt: skip
 """Every fault the simulator can inject (``--faults all``)."""
 
 RATE_RANGES: dict[str, tuple[float, float]] = {
@@ -43,6 +50,7 @@ RATE_RANGES: dict[str, tuple[float, float]] = {
     "skew": (0.0, 1.0),
     "replay": (0.0, 0.5),
     "retract": (0.0, 0.15),
+    "lose_state": (0.0, 0.04),
 }
 """Per fault, the range its rate is drawn from: chance per fault step."""
 FAULT_STEP = 10_000
@@ -64,6 +72,10 @@ class FaultTarget(Protocol):
 
     def restart(self, nid: str) -> None:
         """Start ``nid``'s daemon again from its log."""
+
+    def lose_state(self, nid: str, *, floor_too: bool = False) -> None:
+        """Kill ``nid``'s daemon and lose its state directory (and, with
+        ``floor_too``, the incarnation floor beside its identity key)."""
 
     def submit(self, nid: str, fact: Fact) -> None:
         """A rank of ``nid`` submits ``fact`` to its daemon."""
@@ -170,6 +182,17 @@ class FaultInjector:
             w = self.world
             nid = w.loop.rng.choice(alive)
             w.crash(nid)
+            w.loop.after(w.loop.rng.randint(20_000, 120_000), w.restart, nid)
+
+    def _lose_state(self) -> None:
+        alive = self._alive()
+        if alive:
+            w = self.world
+            nid = w.loop.rng.choice(alive)
+            # Three times in ten the incarnation floor goes too (kept beside a key in
+            # a volume that died with the pod): the node must rise above its lost
+            # life from what its peers tell it.
+            w.lose_state(nid, floor_too=w.loop.rng.random() < 0.3)
             w.loop.after(w.loop.rng.randint(20_000, 120_000), w.restart, nid)
 
     def _pause(self) -> None:

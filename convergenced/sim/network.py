@@ -167,7 +167,11 @@ class Network:
         if data and conn.alive:
             core = self.nodes[side].core
             conn.outputs[side].send(data)
-            conn.sent_records[side].append(core.own_record(STREAM) if core else None)
+            own = core.own_record(STREAM) if core else None
+            # Only a record of this life: one of a life lost with its disk is relayed
+            # as it was (it was durable then, on the disk it had).
+            mine = own if own is not None and core and own.incarnation == core.incarnation else None
+            conn.sent_records[side].append(mine)
         self.release(conn, side)
         self._drain_events(conn, side)
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from convergenced.core.admission import Admission
-from convergenced.core.facts import Fact, Freeze, HighWater
+from convergenced.core.facts import Fact, Freeze, HighWater, Incarnation
 from convergenced.core.gate import GatedOutput, OutputGate
 from convergenced.core.interval_set import IntervalSet
 from convergenced.core.node import NodeCore, NodeEvent
@@ -32,7 +32,7 @@ COMPACT_EVERY = 8
 class LogWrite:
     """One write of the log in flight: what it adds and the position it reaches."""
 
-    incarnation: int
+    life: int
     facts: list[Fact]
     upto: int
     snapshot: list[Fact] | None
@@ -44,14 +44,19 @@ class SimNode:
     """One node of the simulated cluster (see the module docstring)."""
 
     id: str
-    incarnation: int = 1
+    lives: int = 0
+    """Times this node's daemon started (a tick chain belongs to one life)."""
     core: NodeCore | None = None
     gate: OutputGate | None = None
     admission: Admission | None = None
     durable: list[Fact] = field(default_factory=list)
     """The write-ahead log: every fact an fsync completed for, over all lives."""
+    key_incarnation: int = 0
+    """The incarnation floor kept beside the identity key: it outlives the disk."""
     durable_high_water: int | None = None
-    """The highest `HighWater` on the disk (it survives crashes)."""
+    """The highest `HighWater` on the disk (it survives crashes, not a lost disk)."""
+    ever_high_water: int | None = None
+    """The highest `HighWater` this node ever made durable, over every disk it had."""
     durable_frozen: dict[int, IntervalSet] = field(default_factory=dict)
     """Every frozen set on the disk, by generation."""
     writing: LogWrite | None = None
@@ -71,11 +76,20 @@ class SimNode:
         """Whether the daemon is running."""
         return self.core is not None
 
-    def boot(self) -> list[NodeEvent]:
+    def boot(self, links: list[str]) -> list[NodeEvent]:
         """Start a life: a new core from the log, behind a new gate, as the daemon's
-        start-up does. Returns (and drops) the events replay produced."""
-        core = NodeCore(self.id, self.incarnation)
+        start-up does (its incarnation above every one on the disk and the floor beside
+        its key, and durable before anything else; a disk without one means a first
+        start or a lost state).
+        Returns (and drops) the events replay produced."""
+        self.lives += 1
+        past = [f.number for f in self.durable if isinstance(f, Incarnation)]
+        incarnation = 1 + max([*past, self.key_incarnation])
+        self.key_incarnation = incarnation
+        core = NodeCore(self.id, incarnation, unsure_of_past=not past)
+        core.plan_links(links)
         core.replay(self.durable)
+        self.durable.append(Incarnation(core.incarnation))
         self.core = core
         self.gate = OutputGate(core)
         self.admission = Admission(core, self.gate)
@@ -83,6 +97,16 @@ class SimNode:
         self.polled_seq = -1
         self.replies = []
         return list(iter(core.next_event, None))
+
+    def wipe_disk(self, *, floor_too: bool = False) -> None:
+        """The state directory is gone: an empty log (the daemon must be down); with
+        ``floor_too``, the incarnation floor beside the identity key as well."""
+        assert self.core is None
+        if floor_too:
+            self.key_incarnation = 0
+        self.durable = []
+        self.durable_high_water = None
+        self.durable_frozen = {}
 
     def crash(self) -> None:
         """Lose everything but the disk (a write in flight never completes)."""
@@ -128,8 +152,10 @@ class SimNode:
             return None
         facts, upto = gate.take_unlogged()
         self.writes += 1
-        snapshot = core.compacted_facts() if self.writes % COMPACT_EVERY == 0 else None
-        self.writing = LogWrite(self.incarnation, facts, upto, snapshot)
+        snapshot = None
+        if self.writes % COMPACT_EVERY == 0:  # as the daemon compacts: incarnation first
+            snapshot = [Incarnation(core.incarnation), *core.compacted_facts()]
+        self.writing = LogWrite(self.lives, facts, upto, snapshot)
         return self.writing
 
     def finish_write(self, write: LogWrite) -> bool:
@@ -145,6 +171,8 @@ class SimNode:
             if isinstance(fact, HighWater):
                 hw = self.durable_high_water
                 self.durable_high_water = fact.epoch if hw is None else max(hw, fact.epoch)
+                ever = self.ever_high_water
+                self.ever_high_water = fact.epoch if ever is None else max(ever, fact.epoch)
             elif isinstance(fact, Freeze):
                 self.durable_frozen.setdefault(fact.generation, fact.epochs)
         self.gate.synced(write.upto)

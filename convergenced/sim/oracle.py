@@ -110,6 +110,20 @@ class Truth:
                 )
         self.last_rp[node] = rp
 
+    def crashed(self, node: str, durable_high_water: int | None, *, state_lost: bool) -> None:
+        """``node`` died: S3 from now on compares with what it could have revealed.
+
+        A restore point above its durable high-water mark never left the node (the
+        output gate held it), so a new life need not reach it again. A node whose
+        state directory is lost starts over: the loss is reported as a state loss
+        when its peers held its last life, and nothing more can be known of it.
+        """
+        old = self.last_rp.get(node)
+        if state_lost or old is None or durable_high_water is None:
+            self.last_rp.pop(node, None)
+        else:
+            self.last_rp[node] = min(old, durable_high_water)
+
     def check_generation(self, node: str, generation: int, rp: int | None) -> None:
         """S2: every member returns the same restore point for a generation (and S1)."""
         if generation in self.generation_answers:

@@ -19,10 +19,9 @@ from __future__ import annotations
 import gc
 import math
 from dataclasses import dataclass, field
+from functools import partial
 
-from convergenced.core.errors import FactError
-from convergenced.core.facts import Commit, Declare, Fact, Retire
-from convergenced.core.interval_set import IntervalSet
+from convergenced.core.facts import Commit, Declare, Fact
 from convergenced.core.link import LinkConfig
 from convergenced.core.local_api_codec import ApiError
 from convergenced.core.node import GenerationResolved, RestorePointChanged
@@ -30,11 +29,12 @@ from convergenced.core.overlay import DEFAULT_MESH_LIMIT, links
 from convergenced.core.records import Record
 from convergenced.core.spec import Policy, StreamSpec
 from convergenced.sim.faults import FAULT_STEP, FAULTS, FaultInjector
+from convergenced.sim.job import Job
 from convergenced.sim.loop import EventLoop
 from convergenced.sim.network import STREAM, Connection, Network
 from convergenced.sim.node import LogWrite, SimNode
 from convergenced.sim.oracle import InvariantViolation, Truth
-from convergenced.sim.workload import RankSchedule, domain_models
+from convergenced.sim.workload import domain_models
 
 __all__ = ["FAULTS", "STREAM", "Result", "SimConfig", "Simulation", "liveness_bound"]
 
@@ -126,6 +126,7 @@ class Simulation:
         self.spec = StreamSpec.create(STREAM, members, policy, retention=rng.choice([0, 1, 3]))
         self.truth = Truth(self.spec)
         self.faults = FaultInjector(self, cfg.faults)
+        self.job = Job(self, period_us=cfg.period_us, until_us=cfg.safety_us)
         self.net = Network(
             self.loop,
             self.nodes,
@@ -136,7 +137,6 @@ class Simulation:
             on_sent=self._check_sent,
         )
         self.archive: list[Record] = []
-        self.generation = 0
         self.deferred = 0
         """Facts a paused daemon will take once it runs again."""
         self.final_epoch: int | None = None
@@ -214,17 +214,14 @@ class Simulation:
         self.faults.skew_clocks()
         for nid in self.ids:
             node = self.nodes[nid]
-            node.boot()
+            node.boot(self.peers[nid])
             loop.at(rng.randint(0, 20_000), self._declare, nid)
-            loop.at(rng.randint(0, self.cfg.tick_us), self._tick, nid, node.incarnation)
+            loop.at(rng.randint(0, self.cfg.tick_us), self._tick, nid, node.lives)
         for a, b in self.pairs:
             loop.at(rng.randint(0, 5_000), self.net.connect, a, b)
         if self.cfg.workload:
             for nid in self.ids:
-                for rank in self.spec.ranks_of(nid):
-                    sched = RankSchedule(rank, self.cfg.period_us, self.domains, rng)
-                    self._next_save(nid, sched)
-                loop.at(rng.randint(20_000, 40_000), self._retire_round, nid)
+                self.job.start(nid)
         loop.at(FAULT_STEP, self._fault_step)
         if self.cfg.compare_marker:
             loop.at(5_000, self._sample)
@@ -238,63 +235,6 @@ class Simulation:
         self.loop.after(FAULT_STEP, self._fault_step)
         self.faults.step()
 
-    # -- workload ---------------------------------------------------------------
-
-    def _next_save(self, nid: str, sched: RankSchedule) -> None:
-        epoch, times = sched.next_epoch()
-        for domain, t in times.items():
-            if t < self.cfg.safety_us:
-                self.loop.at(t, self._save, nid, sched.rank, domain, epoch)
-        first = min(times.values())
-        if first < self.cfg.safety_us:
-            self.loop.at(first, self._schedule_more, nid, sched, epoch)
-
-    def _schedule_more(self, nid: str, sched: RankSchedule, epoch: int) -> None:
-        if sched.epoch == epoch:
-            self._next_save(nid, sched)
-
-    def _save(self, nid: str, rank: int, domain: str, epoch: int) -> None:
-        if self.phase == "safety":
-            self.submit(nid, Commit(STREAM, rank, domain, epoch))
-
-    def _retire_round(self, nid: str) -> None:
-        """The job asks what it may delete, and deletes it once the answer arrives."""
-        if self.phase != "safety":
-            return
-        loop = self.loop
-        loop.after(loop.rng.randint(20_000, 60_000), self._retire_round, nid)
-        node = self.nodes[nid]
-        core = node.core
-        if core is None or node.paused_until > loop.now or STREAM not in core.streams():
-            return
-        safe = core.safe_to_delete(STREAM)
-        if safe:
-            node.reply(lambda: self._delete(nid, safe))
-
-    def _delete(self, nid: str, safe: IntervalSet) -> None:
-        """The ranks of ``nid`` delete what the daemon said is safe, then retire it."""
-        if self.phase != "safety":
-            return
-        high_water = {m: self.nodes[m].durable_high_water for m in self.ids}
-        frozen = {m: self._open_frozen(m) for m in self.ids}
-        truth, loop = self.truth, self.loop
-        for rank in self.spec.ranks_of(nid):
-            for d in self.domains:
-                key = (rank, d.name)
-                doomed = sorted(e for e in truth.available[key] if e in safe)
-                for e in doomed:
-                    truth.check_retire(nid, e, high_water, frozen)
-                    truth.available[key].discard(e)
-                    truth.retired[key].add(e)
-                    truth.touch()
-                    loop.trace(f"retire {nid} r{rank} {d.name} {e}")
-                    self.submit(nid, Retire(STREAM, rank, d.name, e))
-
-    def _open_frozen(self, nid: str) -> list[IntervalSet]:
-        """Frozen sets of ``nid``'s generations that no newer resolved one closed."""
-        closed = self.closed_below.get(nid, 0)
-        return [s for g, s in self.nodes[nid].durable_frozen.items() if g >= closed]
-
     # -- a daemon's inputs and outputs ---------------------------------------------
 
     def submit(self, nid: str, fact: Fact) -> None:
@@ -305,7 +245,7 @@ class Simulation:
         loop = self.loop
         if node.paused_until > loop.now:
             self.deferred += 1
-            loop.at(node.paused_until, self._submit_later, nid, fact)
+            loop.at(node.paused_until, self._submit_later, nid, fact, node.lives)
             return
         try:
             node.admission.submit(fact)
@@ -315,9 +255,10 @@ class Simulation:
         loop.trace(f"apply {nid} {type(fact).__name__} {getattr(fact, 'epoch', '')}")
         self.after_change(nid)
 
-    def _submit_later(self, nid: str, fact: Fact) -> None:
+    def _submit_later(self, nid: str, fact: Fact, life: int) -> None:
         self.deferred -= 1
-        self.submit(nid, fact)
+        if self.nodes[nid].lives == life:  # else the request died with that daemon
+            self.submit(nid, fact)
 
     def after_change(self, nid: str) -> None:
         """``nid``'s core may have changed: check its events, let its links speak,
@@ -333,7 +274,10 @@ class Simulation:
                 self.truth.check_restore_point(nid, ev.new, ev.rollback)
             elif isinstance(ev, GenerationResolved):
                 self.loop.trace(f"gen {nid} g{ev.generation}={ev.restore_point}")
-                self.truth.check_generation(nid, ev.generation, ev.restore_point)
+                # Checked as the rank gets it: behind the gate, like any answer (the
+                # frozen set may rest on commits of our own still on their way to disk).
+                node.reply(partial(self.truth.check_generation, nid, ev.generation,
+                                   ev.restore_point))  # fmt: skip
                 if ev.generation > self.closed_below.get(nid, 0):
                     self.closed_below[nid] = ev.generation
         # Other links only have something new to say when the view changed.
@@ -401,11 +345,11 @@ class Simulation:
             else:
                 archive[rng.randrange(ARCHIVE_SIZE)] = rec
 
-    def _tick(self, nid: str, incarnation: int) -> None:
+    def _tick(self, nid: str, life: int) -> None:
         node = self.nodes[nid]
-        if not node.up or node.incarnation != incarnation:
+        if not node.up or node.lives != life:
             return
-        self.loop.after(int(self.cfg.tick_us * node.skew), self._tick, nid, incarnation)
+        self.loop.after(int(self.cfg.tick_us * node.skew), self._tick, nid, life)
         if node.paused_until > self.loop.now:
             return
         for peer in self.peers[nid]:
@@ -416,53 +360,50 @@ class Simulation:
 
     # -- life and death of a daemon ------------------------------------------------
 
-    def crash(self, nid: str) -> None:
+    def crash(self, nid: str, *, state_lost: bool = False) -> None:
         """``nid``'s daemon dies: what its log did not make durable is gone."""
-        self.nodes[nid].crash()
+        node = self.nodes[nid]
+        node.crash()
+        self.truth.crashed(nid, node.durable_high_water, state_lost=state_lost)
         self.loop.trace(f"fault crash {nid}")
         if self.cfg.compare_marker:
             self._sample(reschedule=False)
         self.net.node_down(nid, self.peers[nid])
+
+    def lose_state(self, nid: str, *, floor_too: bool = False) -> None:
+        """``nid``'s daemon dies and its state directory is lost (its identity key and
+        its checkpoints survive; the incarnation floor too unless ``floor_too``); it
+        comes back later, from an empty log."""
+        self.crash(nid, state_lost=True)
+        self.nodes[nid].wipe_disk(floor_too=floor_too)
+        self.truth.retractions += 1  # a loss: the restore point may move back (S3)
+        self.loop.trace(f"fault lose_state {nid}{' and floor' if floor_too else ''}")
 
     def restart(self, nid: str) -> None:
         """``nid``'s daemon starts again, from its log, at the next incarnation."""
         node = self.nodes[nid]
         if node.up:
             return
-        node.incarnation += 1
-        node.boot()
+        lost = not node.durable
+        node.boot(self.peers[nid])
         node.paused_until = 0
         loop = self.loop
-        loop.trace(f"restart {nid} inc {node.incarnation}")
+        core = node.core
+        assert core is not None
+        loop.trace(f"restart {nid} inc {core.incarnation}")
         self._write(nid)  # replay may have produced facts of the core's own
         if not any(isinstance(f, Declare) for f in node.durable):
             self._declare(nid)  # the job declares again when it reconnects
-        loop.after(loop.rng.randint(0, self.cfg.tick_us), self._tick, nid, node.incarnation)
+            if lost and self.phase == "safety":
+                self.job.recommit(nid)
+        loop.after(loop.rng.randint(0, self.cfg.tick_us), self._tick, nid, node.lives)
         for peer in self.peers[nid]:
             a, b = (nid, peer) if nid < peer else (peer, nid)
             loop.after(loop.rng.randint(0, 5_000), self.net.connect, a, b)
 
-    # -- recovery generations ----------------------------------------------------------
-
     def recovery(self) -> None:
         """The job restarts: every member asks for a new recovery generation."""
-        self.generation += 1
-        for nid in self.ids:
-            self.loop.after(self.loop.rng.randint(0, 30_000), self._freeze, nid, self.generation)
-
-    def _freeze(self, nid: str, generation: int) -> None:
-        node = self.nodes[nid]
-        if node.core is None:
-            self.loop.after(20_000, self._freeze, nid, generation)
-            return
-        try:
-            fact = node.core.freeze_fact(STREAM, generation)
-        except FactError as exc:
-            self.loop.trace(f"freeze refused {nid} g{generation} {exc.reason}")
-            return
-        if fact is not None:
-            self.loop.trace(f"freeze {nid} g{generation} {fact.epochs}")
-            self.submit(nid, fact)
+        self.job.recovery()
 
     # -- marker baseline ----------------------------------------------------------
 
@@ -534,7 +475,7 @@ class Simulation:
     def expected_restore_point(self) -> int | None:
         """S5: the newest epoch of the true convergence interval at or above the floor."""
         ci = self.truth.convergence()
-        hws = [h for h in (self.nodes[m].durable_high_water for m in self.ids) if h is not None]
+        hws = [h for h in (self.nodes[m].ever_high_water for m in self.ids) if h is not None]
         floor = max(hws) - self.spec.retention if hws else 0
         return ci.at_least(max(floor, 0)).max()
 

@@ -8,7 +8,6 @@ around the entries is `log_file`'s.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from convergenced.core.facts import (
@@ -18,6 +17,7 @@ from convergenced.core.facts import (
     Fact,
     Freeze,
     HighWater,
+    Incarnation,
     RankState,
     Retire,
     Retract,
@@ -26,15 +26,10 @@ from convergenced.core.interval_set import IntervalSet
 from convergenced.core.spec import StreamSpec
 from convergenced.errors import ConvergencedError
 
+__all__ = ["Entry", "Incarnation", "decode_entry", "encode_entry"]
 
-@dataclass(frozen=True, slots=True)
-class Incarnation:
-    """The daemon started for the ``number``-th time (persisted before serving)."""
-
-    number: int
-
-
-Entry = Fact | Incarnation
+Entry = Fact
+"""Every entry of the log is a fact (incarnations included)."""
 
 
 def encode_entry(entry: Entry) -> list[Any]:

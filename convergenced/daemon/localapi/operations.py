@@ -149,34 +149,39 @@ class LocalOperations:
         """The restore point of recovery generation ``generation``.
 
         The first request for a generation freezes this node's recoverable set for
-        it; the answer comes once every member's frozen set is known, and is the same
-        on every member (S2).
+        it (once the node has heard from its peers, when it started without a log:
+        `core.lives`); the answer comes once every member's frozen set is known, and
+        is the same on every member (S2).
         """
-        try:
-            fact = self.node.freeze_fact(stream, generation)
-        except FactError as exc:
-            raise rejected(exc) from None
+        self.admission.known(stream)
         started = trio.current_time()
-        if fact is not None:
-            self.submit(fact)
+        froze = False
         with trio.move_on_after(math.inf if timeout is None else timeout):
             while True:
                 try:
+                    if not self.node.waiting_to_freeze(stream):
+                        fact = self.node.freeze_fact(stream, generation)
+                        if fact is not None:
+                            self.submit(fact)
+                            froze = True
                     answer = self.node.generation(stream, generation)
                 except FactError as exc:
                     raise rejected(exc) from None
                 if answer.resolved:
                     await self.durable()
-                    if fact is not None:
+                    if froze:
                         self.telemetry.recovered(stream, trio.current_time() - started)
                     return codec.generation_to_wire(stream, answer)
                 await self.hub.wait_changed()
         answer = self.node.generation(stream, generation)
+        unheard = self.node.waiting_to_freeze(stream)
+        why = (f"this node has not heard from {', '.join(unheard)} since it started"
+               if unheard else f"it still waits for the frozen sets of "
+               f"{', '.join(answer.waiting_for)}")  # fmt: skip
         raise ApiError(
             ErrorKind.TIMEOUT,
             "timeout",
-            f"stream {stream!r}: generation {generation} still waits for the frozen sets "
-            f"of {', '.join(answer.waiting_for)} after {timeout} s",
+            f"stream {stream!r}: generation {generation} unresolved after {timeout} s: {why}",
         )
 
     async def watch(self, stream: str, emit: Emit) -> None:
