@@ -50,7 +50,7 @@ RUN groupadd --system --gid 10001 convergenced \
  && install -d -m 0750 -o root -g convergenced /etc/convergenced \
  && install -d -m 0750 -o convergenced -g convergenced /var/lib/convergenced /run/convergenced
 
-# State (write-ahead log, lock, identity key) must outlive the container: an
+# State (write-ahead log, lock) must outlive the container: an
 # acknowledged commit is a promise. The socket directory is shared with training
 # containers (the daemon makes the socket 0660).
 VOLUME ["/var/lib/convergenced", "/run/convergenced"]

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from convergenced.daemon.config import DEFAULT_PORT, ConfigError, load
+from convergenced.daemon import config as config_mod
+from convergenced.daemon.config import DEFAULT_IDENTITY, DEFAULT_PORT, ConfigError, load
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "deploy" / "config" / "convergenced.toml"
 
@@ -130,8 +131,26 @@ def test_a_secure_config_and_an_insecure_one(tmp_path: Path) -> None:
     assert cfg.tls is not None and str(cfg.tls.ca) == "/t/ca.crt"
     assert cfg.trust == (("b", _KEY),)
     assert not cfg.insecure
-    assert cfg.identity_path == cfg.state_dir / "identity.key"
+    assert cfg.identity_path == DEFAULT_IDENTITY  # outside the state directory
     plain = load(_write(tmp_path, 'node_id = "a"\ninsecure = true\n' + _PEER))
     assert plain.insecure and plain.tls is None
     alone = load(_write(tmp_path, 'node_id = "a"\n[local]\nallowed_gids = [1000]\n'))
     assert alone.tls is None and alone.allowed_gids == (1000,)
+
+
+def test_a_key_left_in_the_state_directory_is_still_found(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Earlier versions kept the identity key in the state directory: without an
+    `identity` setting and with no key at the default path, that one is used."""
+    monkeypatch.setattr(config_mod, "DEFAULT_IDENTITY", tmp_path / "etc" / "identity.key")
+    state = tmp_path / "state"
+    cfg = load(_write(tmp_path, f'node_id = "a"\nstate_dir = "{state}"\n'))
+    assert cfg.identity_path == tmp_path / "etc" / "identity.key"
+    state.mkdir()
+    (state / "identity.key").write_text("")
+    assert cfg.identity_path == state / "identity.key" == cfg.legacy_identity
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc" / "identity.key").write_text("")
+    assert cfg.identity_path == tmp_path / "etc" / "identity.key"
+    assert cfg.incarnation_floor_path == tmp_path / "etc" / "identity.key.incarnation"

@@ -25,6 +25,9 @@ __all__ = ["Config", "ConfigError", "Limits", "Peer", "TlsFiles", "load", "parse
 DEFAULT_PORT = 7946
 DEFAULT_SOCKET = Path("/run/convergenced/convergenced.sock")
 DEFAULT_STATE_DIR = Path("/var/lib/convergenced")
+DEFAULT_IDENTITY = Path("/etc/convergenced/identity.key")
+"""Outside the state directory on purpose: a lost state directory must not take the
+node's identity with it (a host that lost its key is a replaced host)."""
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -96,9 +99,11 @@ class Config:
     """Plaintext peer links and unsigned records: only for a throwaway local cluster."""
     tls: TlsFiles | None = None
     identity: Path | None = None
-    """This node's Ed25519 key (``convergenced keygen``); default state_dir/identity.key.
-    Kept outside the state directory, it (and the incarnation floor beside it)
-    outlives a lost state directory."""
+    """This node's Ed25519 key (``convergenced keygen``); default
+    /etc/convergenced/identity.key, outside the state directory so that it (and the
+    incarnation floor beside it) outlives a lost state directory. Unset, a key at
+    state_dir/identity.key (the default of earlier versions) is still used when the
+    default one does not exist."""
     trust: tuple[tuple[str, str], ...] = ()
     """(node id, public key hex) of every other node: records are verified against it."""
     allowed_uids: tuple[int, ...] = ()
@@ -110,7 +115,17 @@ class Config:
     @property
     def identity_path(self) -> Path:
         """Where this node's identity key is."""
-        return self.identity or self.state_dir / "identity.key"
+        if self.identity is not None:
+            return self.identity
+        if not DEFAULT_IDENTITY.exists() and self.legacy_identity.exists():
+            return self.legacy_identity
+        return DEFAULT_IDENTITY
+
+    @property
+    def legacy_identity(self) -> Path:
+        """The default identity key of earlier versions, inside the state directory
+        (lost with it)."""
+        return self.state_dir / "identity.key"
 
     @property
     def incarnation_floor_path(self) -> Path:

@@ -264,6 +264,11 @@ class Daemon:
         # alone) has nowhere outside its state directory to keep it.
         if security.sign is not None:
             self._floor = IncarnationFloor(cfg.incarnation_floor_path)
+            if cfg.identity is None and cfg.identity_path == cfg.legacy_identity:
+                log.warning("the identity key is inside the state directory, and would be "
+                            "lost with it: move it to the default path, or set identity",
+                            path=str(cfg.identity_path),
+                            default=str(config_mod.DEFAULT_IDENTITY))  # fmt: skip
         r = self.running = assemble(cfg, wal, entries, telemetry, security,
                                     on_log_failure=self._log_failed,
                                     floor=self._floor.read() if self._floor else 0)  # fmt: skip
@@ -340,7 +345,7 @@ class Daemon:
             return
         if not self._floor.write(incarnation) and not self._floor_warned:
             self._floor_warned = True
-            log.warning(
+            log.info(
                 "cannot keep the incarnation floor beside the identity key; if the state "
                 "directory is lost, this node relies on its peers to rise above its "
                 "earlier lives", path=str(self._floor.path),

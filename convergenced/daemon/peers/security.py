@@ -90,7 +90,7 @@ def read_key_files(cfg: Config) -> KeyFiles:
             f"{cfg.source}: tls.cert: {cfg.tls.cert}: is the certificate of {ours!r}, "
             f"not of this node {cfg.node_id!r} (issue one with: convergenced ca issue)"
         )
-    key = "identity" if cfg.identity is not None else "identity (default state_dir/identity.key)"
+    key = "identity" if cfg.identity is not None else f"identity (default {cfg.identity_path})"
     try:
         identity = NodeIdentity.load(cfg.identity_path, node_id=cfg.node_id)
     except ConvergencedError as exc:
