@@ -480,6 +480,7 @@ def status_to_wire(s: StreamStatus) -> dict[str, Any]:
         "convergence": intervals(s.convergence),
         "proposal": s.proposal,
         "restore_point": s.restore_point,
+        "why_no_restore_point": s.why_no_restore_point,
         "knowledge": s.knowledge.name.lower(),
         "high_water": s.high_water,
         "rollback_floor": s.rollback_floor,

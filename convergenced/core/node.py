@@ -404,7 +404,8 @@ class NodeCore(EarlierLives):
         assert st.decision is not None  # every declared stream was refreshed at least once
         return describe(self.node_id, st.facts, st.agreement, decision=st.decision,
                         records=self.view.stream(stream),
-                        safe_to_delete=self.safe_to_delete(stream))  # fmt: skip
+                        safe_to_delete=self.safe_to_delete(stream),
+                        waiting_for=() if st.settled else self._waiting_for(st))  # fmt: skip
 
     def restore_point(self, stream: str) -> int | None:
         """Our current restore point of ``stream``."""

@@ -38,6 +38,8 @@ class StreamStatus:
     skew: int | None
     """max - min over members of their newest recoverable epoch (None if unknown)."""
     generations: tuple[int, ...]
+    why_no_restore_point: str | None = None
+    """When there is no restore point, why, in a sentence (None when there is one)."""
 
 
 def describe(
@@ -48,8 +50,10 @@ def describe(
     decision: Decision,
     records: Mapping[str, Record],
     safe_to_delete: IntervalSet,
+    waiting_for: tuple[str, ...] = (),
 ) -> StreamStatus:
-    """The status of one stream at node ``me``, from its parts."""
+    """The status of one stream at node ``me``, from its parts; ``waiting_for``: the
+    members a node unsure of its past must still hear from (`lives`)."""
     spec, d = facts.spec, decision
     newest: dict[str, dict[str, int]] = {}
     tops: list[int] = []
@@ -66,6 +70,7 @@ def describe(
         if top is not None:
             tops.append(top)
     complete = len(tops) == len(spec.member_ids)
+    missing = tuple(m for m in spec.member_ids if m != me and m not in records)
     return StreamStatus(
         stream=spec.name,
         spec=spec,
@@ -78,9 +83,45 @@ def describe(
         rollback_floor=d.floor,
         gc_horizon=agreement.gc_horizon(),
         safe_to_delete=safe_to_delete,
-        missing=tuple(m for m in spec.member_ids if m != me and m not in records),
+        missing=missing,
         conflicts=tuple(sorted((m, dg.hex()) for m, dg in agreement.conflicts.items())),
         newest=newest,
         skew=max(tops) - min(tops) if complete else None,
         generations=tuple(g for g, _ in facts.generations.open_sets()),
+        why_no_restore_point=None
+        if d.restore_point is not None
+        else _why_none(spec, d, agreement, missing, waiting_for),
     )
+
+
+def _why_none(
+    spec: StreamSpec,
+    d: Decision,
+    agreement: StreamAgreement,
+    missing: tuple[str, ...],
+    waiting_for: tuple[str, ...],
+) -> str:
+    """Why a node has no restore point, in the terms of PROTOCOL.md section 13."""
+    if waiting_for:
+        return ("this node started without its log: it waits to hear from "
+                f"{', '.join(waiting_for)} what its earlier life published")  # fmt: skip
+    if agreement.conflicts:
+        return f"members declared a different spec: {', '.join(sorted(agreement.conflicts))}"
+    if missing:
+        return f"no record yet from {', '.join(missing)}"
+    ci = d.convergence
+    if ci is None:
+        return ("waiting for records newer than those this node's high-water mark rested "
+                "on (older ones may be stale relays)")  # fmt: skip
+    if not ci:
+        return "no epoch is recoverable on every member (the convergence interval is empty)"
+    floor = d.floor
+    if floor is not None and not ci.at_least(floor):
+        newest = ci.max()
+        hint = (f"; a stream declared with a retention of {floor + spec.retention - newest} "
+                "or more keeps such an epoch as a fallback" if newest is not None else "")  # fmt: skip
+        return (f"the newest epoch every member holds, {newest}, is below the rollback floor "
+                f"{floor} (the highest high-water mark, {floor + spec.retention}, minus the "
+                f"retention, {spec.retention}): older epochs may already be deleted on some "
+                f"member{hint}")  # fmt: skip
+    return "not every member has proposed an epoch of the convergence interval yet"

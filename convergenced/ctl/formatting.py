@@ -122,6 +122,7 @@ def format_state(st: Mapping[str, Any]) -> str:
                 f"{spec['retention']}, {len(spec['members'])} members, {ranks} ranks",
             ),
             ("restore point", _value(st["restore_point"])),
+            *([("why none", why)] if (why := st.get("why_no_restore_point")) else []),
             ("proposal", _value(st["proposal"])),
             ("knowledge", str(st["knowledge"])),
             ("convergence", format_intervals(st["convergence"])),
