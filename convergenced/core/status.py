@@ -118,8 +118,10 @@ def _why_none(
     floor = d.floor
     if floor is not None and not ci.at_least(floor):
         newest = ci.max()
-        hint = (f"; a stream declared with a retention of {floor + spec.retention - newest} "
-                "or more keeps such an epoch as a fallback" if newest is not None else "")  # fmt: skip
+        hint = ""
+        if newest is not None:
+            hint = (f"; a stream declared with a retention of {floor + spec.retention - newest}"
+                    " or more keeps such an epoch as a fallback")  # fmt: skip
         return (f"the newest epoch every member holds, {newest}, is below the rollback floor "
                 f"{floor} (the highest high-water mark, {floor + spec.retention}, minus the "
                 f"retention, {spec.retention}): older epochs may already be deleted on some "
