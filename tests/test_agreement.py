@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pulled import clear_events, events, pending_facts
 
+from convergenced.core.admission import Admission
 from convergenced.core.aggregate import MemberAggregate, Summary
 from convergenced.core.agreement import Knowledge
 from convergenced.core.errors import FactError
@@ -28,7 +29,9 @@ from convergenced.core.facts import (
     Retire,
     Retract,
 )
+from convergenced.core.gate import OutputGate
 from convergenced.core.interval_set import IntervalSet
+from convergenced.core.local_api_codec import ApiError
 from convergenced.core.node import (
     GenerationClosedError,
     GenerationResolved,
@@ -1035,3 +1038,25 @@ def test_a_frozen_set_takes_from_other_members_only_epochs_it_holds() -> None:
     commit(b, 6)
     sync(a, b)
     assert 5 not in freeze(b, 1).epochs
+
+
+def test_a_refused_declaration_is_visible_on_the_member_that_declared_first() -> None:
+    """b already holds a's record when its client declares another spec: b refuses it,
+    and a sees the conflict too (state, and the event the daemon logs and counts)."""
+    first = StreamSpec.create("s", {"a": [0], "b": [1]}, Policy.all_of("nvme"))
+    other = StreamSpec.create("s", {"a": [0], "b": [1]}, Policy.all_of("ram"))
+    a, b = NodeCore("a", 1), NodeCore("b", 1)
+    a.apply(Declare(first))
+    b.receive(list(a.view), via="a")
+    admission = Admission(b, OutputGate(b))
+    with pytest.raises(ApiError) as info:
+        admission.submit(Declare(other))
+    assert info.value.reason == "spec_conflict"
+    assert b.streams() == []  # refused: nothing declared
+    a.receive(list(b.view), via="b")
+    assert a.status("s").conflicts == (("b", other.digest.hex()),)
+    assert SpecConflictDetected("s", "b", other.digest) in events(a)
+    # b's client fixes its spec: b declares, its record supersedes the notice.
+    admission.submit(Declare(first))
+    a.receive(list(b.view), via="b")
+    assert a.status("s").conflicts == ()

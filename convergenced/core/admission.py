@@ -69,7 +69,11 @@ class Admission:
         self._admit(fact)
         try:
             self.gate.apply(fact)
-        except (FactError, SpecError, SpecConflictError) as exc:
+        except SpecConflictError as exc:
+            if isinstance(fact, Declare):
+                self.node.refused(fact.spec)  # the members that declared first see it
+            raise rejected(exc) from None
+        except (FactError, SpecError) as exc:
             raise rejected(exc) from None
         if isinstance(fact, Declare):
             return {"stream": fact.spec.name, "digest": fact.spec.digest.hex()}

@@ -241,10 +241,36 @@ class NodeCore(EarlierLives):
         digest = spec.digest
         for origin, rec in self.view.stream(spec.name).items():
             if origin in spec.member_ids and rec.spec_digest != digest:
+                if self.made_here_record(rec):
+                    continue  # our own notice of a declaration we refused (`refused`)
                 raise SpecConflictError(
                     spec.name, digest.hex()[:16], rec.spec_digest.hex()[:16],
-                    f"member {origin} declared a different spec",
+                    f"member {origin} declared (or tried to declare) a different spec",
                 )  # fmt: skip
+
+    def refused(self, spec: StreamSpec) -> None:
+        """A client's declaration of ``spec`` was refused because a member's record
+        names another spec: tell the members that declared first, with a record of
+        ours carrying the refused spec's digest and nothing else (PROTOCOL.md 7.4).
+        They see the conflict in their state, log and metrics; our declaration of
+        the stream, if one comes, supersedes it. Nothing when the stream is declared
+        here (our record already says which spec we hold), or while we are unsure of
+        our past (nothing of ours leaves before, see `lives`)."""
+        name = spec.name
+        if name in self._streams or self.node_id not in spec.member_ids:
+            return
+        if self._lives.waiting_for(name, spec.member_ids):
+            return
+        old = self.view.get((name, self.node_id))
+        if old is not None and self.made_here_record(old) and old.spec_digest == spec.digest:
+            return  # said already
+        self._version += 1
+        rec = Record(stream=name, origin=self.node_id, incarnation=self.incarnation,
+                     version=self._version, spec_digest=spec.digest,
+                     recoverable=IntervalSet())  # fmt: skip
+        if self._sign is not None:
+            rec = self._sign(rec)
+        self.view.merge(rec)
 
     def _new_stream(self, spec: StreamSpec) -> StreamState:
         st = StreamState(StreamFacts(spec, self.node_id), StreamAgreement(spec, self.node_id))
@@ -499,6 +525,7 @@ class NodeCore(EarlierLives):
         if (
             old is not None
             and old.incarnation == self.incarnation
+            and old.spec_digest == st.agreement.digest  # not a notice (`refused`)
             and old.recoverable == recoverable
             and old.newest == newest
             and old.proposal == d.proposal

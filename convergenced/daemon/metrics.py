@@ -80,7 +80,8 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("facts", "counter", ("type",), "facts submitted by local clients and applied, by type"),
     _m("rollbacks", "counter", S, "backward moves of the restore point (after losses)"),
     _m("retractions", "counter", S, "epochs reported lost or corrupt"),
-    _m("spec_conflicts", "counter", S, "members seen publishing a different spec for the stream"),
+    _m("spec_conflicts", "counter", S, "members seen publishing a different spec for the "
+       "stream (declared, or refused and noticed)"),
     _m("state_losses", "counter", (), "times this node learned of a life of its own it did not "
        "remember (its state directory was lost) and rose above it"),
     # -- peers

@@ -33,7 +33,7 @@ import trio
 from convergenced.core import local_api_codec as codec
 from convergenced.core.admission import Admission, rejected
 from convergenced.core.errors import FactError
-from convergenced.core.facts import Fact
+from convergenced.core.facts import Declare, Fact
 from convergenced.core.local_api_codec import ApiError, ErrorKind
 from convergenced.core.node import NodeCore
 from convergenced.daemon.localapi.watches import Snapshot, StreamFeed
@@ -90,6 +90,8 @@ class LocalOperations:
             declared = stream in self.node.streams()
             domains = self.node.spec(stream).policy.domains if declared and stream else ()
             self.telemetry.fact_refused(fact, domains)
+            if isinstance(fact, Declare):
+                self.hub.view_changed()  # a refused one may leave a notice (NodeCore.refused)
             raise
         self.telemetry.fact_applied(fact)
         self.hub.view_changed()
