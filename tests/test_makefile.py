@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+_OUTER_MAKE = {"MAKELEVEL", "MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES", "MAKE_TERMOUT", "MAKE_TERMERR"}
 
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU make")
 
@@ -30,8 +31,16 @@ def checkout(tmp_path: Path) -> Path:
 
 
 def _would_run(checkout: Path, target: str) -> list[str]:
+    # Under `make test` this runs inside make: drop what the outer make exports
+    # (MAKELEVEL makes the inner one print "Entering directory" lines).
+    env = {k: v for k, v in os.environ.items() if k not in _OUTER_MAKE}
     out = subprocess.run(
-        ["make", "-n", target], cwd=checkout, check=True, capture_output=True, text=True
+        ["make", "--no-print-directory", "-n", target],
+        cwd=checkout,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout
     return out.splitlines()
 
