@@ -29,8 +29,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 
-from convergenced.core.agreement import Decision, Knowledge, StreamAgreement
-from convergenced.core.errors import FactError, SpecConflictError, SpecError, UnknownStreamError
+from convergenced.core.agreement import Decision, Knowledge
+from convergenced.core.declarations import Declarations
+from convergenced.core.errors import FactError, UnknownStreamError
 from convergenced.core.events import (
     GenerationResolved,
     NodeEvent,
@@ -49,7 +50,6 @@ from convergenced.core.facts import (
     RankState,
     Retire,
     Retract,
-    StreamFacts,
 )
 from convergenced.core.generations import (
     GenerationAnswer,
@@ -76,7 +76,7 @@ __all__ = [
 ]
 
 
-class NodeCore(EarlierLives):
+class NodeCore(Declarations, EarlierLives):
     """One node's protocol state. See the module docstring for the contract."""
 
     def __init__(
@@ -227,55 +227,6 @@ class NodeCore(EarlierLives):
         elif isinstance(fact, RankState):
             st.facts.restore_rank(fact)
         return fact.stream
-
-    def _check_declare(self, spec: StreamSpec) -> None:
-        if self.node_id not in spec.member_ids:
-            raise SpecError(f"stream {spec.name!r}: this node ({self.node_id}) is not a member")
-        st = self._streams.get(spec.name)
-        if st is not None and st.facts.spec != spec:
-            ours = st.facts.spec
-            raise SpecConflictError(
-                spec.name, ours.digest.hex()[:16], spec.digest.hex()[:16],
-                "; ".join(ours.differences(spec)),
-            )  # fmt: skip
-        digest = spec.digest
-        for origin, rec in self.view.stream(spec.name).items():
-            if origin in spec.member_ids and rec.spec_digest != digest:
-                if self.made_here_record(rec):
-                    continue  # our own notice of a declaration we refused (`refused`)
-                raise SpecConflictError(
-                    spec.name, digest.hex()[:16], rec.spec_digest.hex()[:16],
-                    f"member {origin} declared (or tried to declare) a different spec",
-                )  # fmt: skip
-
-    def refused(self, spec: StreamSpec) -> None:
-        """A client's declaration of ``spec`` was refused because a member's record
-        names another spec: tell the members that declared first, with a record of
-        ours carrying the refused spec's digest and nothing else (PROTOCOL.md 7.4).
-        They see the conflict in their state, log and metrics; our declaration of
-        the stream, if one comes, supersedes it. Nothing when the stream is declared
-        here (our record already says which spec we hold), or while we are unsure of
-        our past (nothing of ours leaves before, see `lives`)."""
-        name = spec.name
-        if name in self._streams or self.node_id not in spec.member_ids:
-            return
-        if self._lives.waiting_for(name, spec.member_ids):
-            return
-        old = self.view.get((name, self.node_id))
-        if old is not None and self.made_here_record(old) and old.spec_digest == spec.digest:
-            return  # said already
-        self._version += 1
-        rec = Record(stream=name, origin=self.node_id, incarnation=self.incarnation,
-                     version=self._version, spec_digest=spec.digest,
-                     recoverable=IntervalSet())  # fmt: skip
-        if self._sign is not None:
-            rec = self._sign(rec)
-        self.view.merge(rec)
-
-    def _new_stream(self, spec: StreamSpec) -> StreamState:
-        st = StreamState(StreamFacts(spec, self.node_id), StreamAgreement(spec, self.node_id))
-        st.agreement.observe_many(list(self.view.stream(spec.name).values()))
-        return st
 
     def freeze_fact(self, stream: str, generation: int) -> Freeze | None:
         """The `Freeze` fact to persist for our first request of ``generation``.
