@@ -23,23 +23,26 @@ raises `DaemonUnreachable`. The socket path defaults to ``$CONVERGENCED_SOCKET``
 from __future__ import annotations
 
 import itertools
-import os
 import queue
 import socket
 import threading
-from collections.abc import AsyncIterator, Generator, Mapping
-from contextlib import asynccontextmanager, suppress
+from collections.abc import Generator, Mapping
+from contextlib import suppress
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from convergenced.async_client import AsyncClient
+from convergenced.client_protocol import (
+    MAX_REPLY_BYTES,
+    DaemonUnreachable,
+    default_socket,
+    result_of,
+    spec_wire,
+)
 from convergenced.core import local_api_codec as codec
 from convergenced.core.local_api_codec import ApiError, ErrorKind
 from convergenced.core.spec import StreamSpec
-from convergenced.errors import ConvergencedError
-
-if TYPE_CHECKING:  # trio is only needed by AsyncClient users
-    import trio
 
 __all__ = [
     "ApiError",
@@ -50,30 +53,6 @@ __all__ = [
     "PendingCommit",
     "default_socket",
 ]
-
-MAX_REPLY_BYTES = 64 << 20
-"""Replies are bounded too: a state with thousands of members stays well below this."""
-
-
-class DaemonUnreachable(ConvergencedError):
-    """The daemon's socket cannot be reached, or the connection was lost."""
-
-
-def default_socket() -> Path:
-    """``$CONVERGENCED_SOCKET``, else the daemon's default socket path."""
-    env = os.environ.get("CONVERGENCED_SOCKET")
-    return Path(env) if env else Path("/run/convergenced/convergenced.sock")
-
-
-def _spec_wire(spec: StreamSpec | Mapping[str, Any]) -> Any:
-    return spec.to_wire() if isinstance(spec, StreamSpec) else dict(spec)
-
-
-def _result(reply: Mapping[str, Any]) -> Any:
-    if "error" in reply:
-        raise codec.error_from_wire(reply["error"])
-    return reply.get("ok", reply.get("event"))
-
 
 _LOST = object()
 
@@ -181,7 +160,7 @@ class Client:
         """Send one request and return its result (raises `ApiError` on an error reply)."""
         rid, box = self._send(op, args)
         try:
-            return _result(self._take(rid, box))
+            return result_of(self._take(rid, box))
         finally:
             with self._lock:
                 self._pending.pop(rid, None)
@@ -212,7 +191,7 @@ class Client:
 
     def declare(self, spec: StreamSpec | Mapping[str, Any]) -> dict[str, Any]:
         """Declare a stream (idempotent; a different spec under the same name is refused)."""
-        return dict(self.call("declare", spec=_spec_wire(spec)))
+        return dict(self.call("declare", spec=spec_wire(spec)))
 
     def commit(
         self, stream: str, rank: int, domain: str, epoch: int, *, digest: str = "", size: int = 0
@@ -290,7 +269,7 @@ class Client:
         rid, box = self._send("watch", {"stream": stream})
         try:
             while True:
-                yield dict(_result(self._take(rid, box)))
+                yield dict(result_of(self._take(rid, box)))
         finally:
             with self._lock:
                 self._pending.pop(rid, None)
@@ -338,202 +317,4 @@ class PendingCommit:
                 self._client._pending.pop(self._rid, None)
                 self._client._one_shot.discard(self._rid)
                 raise DaemonUnreachable(self._client._lost or "connection lost")
-        return dict(_result(self._reply))
-
-
-class AsyncClient:
-    """The trio client: same operations as `Client`, as coroutines."""
-
-    def __init__(self, stream: trio.SocketStream, nursery: trio.Nursery) -> None:
-        import trio
-
-        self._trio = trio
-        self._stream = stream
-        self._nursery = nursery
-        self._ids = itertools.count(1)
-        self._pending: dict[int, trio.MemorySendChannel[Any]] = {}
-        self._send_lock = trio.Lock()
-        self._lost: str | None = None
-
-    @staticmethod
-    @asynccontextmanager
-    async def connect(socket_path: Path | str | None = None) -> AsyncIterator[AsyncClient]:
-        """Connect; the client lives inside the ``async with`` block.
-
-        Raises:
-            DaemonUnreachable: nothing listens there, or access is denied.
-        """
-        import trio
-
-        path = Path(socket_path) if socket_path else default_socket()
-        try:
-            stream = await trio.open_unix_socket(str(path))
-        except OSError as exc:
-            raise DaemonUnreachable(f"cannot reach the daemon at {path}: {exc}") from None
-        async with trio.open_nursery() as nursery:
-            client = AsyncClient(stream, nursery)
-            nursery.start_soon(client._read_loop)
-            try:
-                yield client
-            finally:
-                nursery.cancel_scope.cancel()
-                await stream.aclose()
-
-    async def _read_loop(self) -> None:
-        trio = self._trio
-        reader = codec.FrameReader(MAX_REPLY_BYTES)
-        why = "the daemon closed the connection"
-        try:
-            while True:
-                data = await self._stream.receive_some(65536)
-                if not data:
-                    break
-                for reply in reader.feed(data):
-                    if not isinstance(reply, Mapping):
-                        raise ApiError(ErrorKind.INTERNAL, "bad_reply", f"not a map: {reply!r}")
-                    rid = reply.get("id")
-                    ch = self._pending.get(rid) if isinstance(rid, int) else None
-                    if ch is not None:
-                        # Watches may outpace their reader; the daemon bounds it too.
-                        await ch.send(reply)
-                    elif rid is None and "error" in reply:
-                        why = str(codec.error_from_wire(reply["error"]))
-        except (trio.BrokenResourceError, trio.ClosedResourceError, ApiError) as exc:
-            why = f"connection lost: {exc}"
-        self._lost = why
-        for ch in list(self._pending.values()):
-            ch.close()
-
-    async def _open(self, op: str, args: dict[str, Any]) -> tuple[int, Any]:
-        trio = self._trio
-        if self._lost is not None:
-            raise DaemonUnreachable(self._lost)
-        rid = next(self._ids)
-        send, recv = trio.open_memory_channel[Any](64)
-        self._pending[rid] = send
-        try:
-            async with self._send_lock:
-                await self._stream.send_all(codec.encode_frame(codec.request(rid, op, **args)))
-        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            del self._pending[rid]
-            raise DaemonUnreachable(f"cannot send to the daemon: {exc}") from None
-        return rid, recv
-
-    async def _next(self, recv: Any) -> Any:
-        try:
-            return await recv.receive()
-        except self._trio.EndOfChannel:
-            raise DaemonUnreachable(self._lost or "connection lost") from None
-
-    async def call(self, op: str, **args: Any) -> Any:
-        """Send one request and return its result (raises `ApiError` on an error reply).
-
-        Cancelling the calling task cancels the request on the daemon too, so an
-        abandoned `wait` does not keep holding one of the connection's request slots.
-        """
-        rid, recv = await self._open(op, args)
-        answered = False
-        try:
-            reply = await self._next(recv)
-            answered = True
-            return _result(reply)
-        finally:
-            self._pending.pop(rid, None)
-            if not answered:
-                await self._send_cancel(rid)
-
-    async def _send_cancel(self, rid: int) -> None:
-        # Fire and forget: the reply to the cancel has no taker.
-        if self._lost is not None:
-            return
-        frame = codec.encode_frame(codec.request(next(self._ids), "cancel", target=rid))
-        with self._trio.CancelScope(shield=True):
-            try:
-                async with self._send_lock:
-                    await self._stream.send_all(frame)
-            except (self._trio.BrokenResourceError, self._trio.ClosedResourceError):
-                pass
-
-    async def status(self) -> dict[str, Any]:
-        """See `Client.status`."""
-        return dict(await self.call("status"))
-
-    async def streams(self) -> list[str]:
-        """See `Client.streams`."""
-        return list(await self.call("streams"))
-
-    async def declare(self, spec: StreamSpec | Mapping[str, Any]) -> dict[str, Any]:
-        """See `Client.declare`."""
-        return dict(await self.call("declare", spec=_spec_wire(spec)))
-
-    async def commit(
-        self, stream: str, rank: int, domain: str, epoch: int, *, digest: str = "", size: int = 0
-    ) -> dict[str, Any]:
-        """See `Client.commit`."""
-        return dict(
-            await self.call(
-                "commit",
-                stream=stream,
-                rank=rank,
-                domain=domain,
-                epoch=epoch,
-                digest=digest,
-                size=size,
-            )
-        )
-
-    async def retract(self, stream: str, rank: int, domain: str, epoch: int) -> dict[str, Any]:
-        """See `Client.retract`."""
-        return dict(
-            await self.call("retract", stream=stream, rank=rank, domain=domain, epoch=epoch)
-        )
-
-    async def retire(self, stream: str, rank: int, domain: str, epoch: int) -> dict[str, Any]:
-        """See `Client.retire`."""
-        return dict(await self.call("retire", stream=stream, rank=rank, domain=domain, epoch=epoch))
-
-    async def state(self, stream: str) -> dict[str, Any]:
-        """See `Client.state`."""
-        return dict(await self.call("state", stream=stream))
-
-    async def wait(self, stream: str, epoch: int, timeout: float | None = None) -> dict[str, Any]:
-        """See `Client.wait`."""
-        return dict(await self.call("wait", stream=stream, epoch=epoch, timeout=timeout))
-
-    async def restore_point(
-        self, stream: str, generation: int, timeout: float | None = None
-    ) -> dict[str, Any]:
-        """See `Client.restore_point`."""
-        return dict(
-            await self.call("restore_point", stream=stream, generation=generation, timeout=timeout)
-        )
-
-    @asynccontextmanager
-    async def watch(self, stream: str) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
-        """See `Client.watch`. A context manager, so the watch ends when the block does::
-
-        async with client.watch("job") as events:
-            async for state in events:
-                ...
-        """
-        rid, recv = await self._open("watch", {"stream": stream})
-        try:
-            yield _Events(self, recv)
-        finally:
-            self._pending.pop(rid, None)
-            await self._send_cancel(rid)
-
-
-class _Events:
-    """The events of one `AsyncClient.watch` (an async iterator, not a generator, so
-    nothing is left to finalize when a loop stops early)."""
-
-    def __init__(self, client: AsyncClient, recv: Any) -> None:
-        self._client = client
-        self._recv = recv
-
-    def __aiter__(self) -> _Events:
-        return self
-
-    async def __anext__(self) -> dict[str, Any]:
-        return dict(_result(await self._client._next(self._recv)))
+        return dict(result_of(self._reply))
