@@ -9,38 +9,46 @@ thread never holds up a `commit` in another.
 collect the acknowledgement later: a training rank whose shard is already durable
 need not wait for the daemon's own fsync (see its docstring for what that costs).
 
-`AsyncClient` is the same for trio code::
+`AsyncClient` (`convergenced.async_client`) is the same for trio code::
 
     async with AsyncClient.connect() as client:
         await client.commit("job", rank=0, domain="nvme", epoch=120)
 
+**Daemon restarts.** Both clients survive them: when the connection ends they
+reconnect with backoff for up to ``reconnect`` seconds (default
+``$CONVERGENCED_RECONNECT_S``, else 60; 0 turns it off), declare again what they
+declared, and send again every request still unanswered, `commit_nowait`'s included;
+a watch is subscribed again. A commit sent twice is counted once. Calls wait
+meanwhile, never longer than the bound. After a reconnect to a daemon that restarted,
+`Client` runs its reconnect hooks (`Client.add_reconnect_hook`): the checkpoint store
+uses one to commit again the shards it holds. See `convergenced.client_protocol` for
+the rules and why each operation may be sent twice.
+
 Every failed request raises `ApiError` (``kind``, ``reason``, message) from
-`convergenced.core.local_api_codec`; a daemon that cannot be reached, or that went away,
-raises `DaemonUnreachable`. The socket path defaults to ``$CONVERGENCED_SOCKET`` or
-``/run/convergenced/convergenced.sock``.
+`convergenced.core.local_api_codec`; a daemon that cannot be reached (or not again
+within the bound) raises `DaemonUnreachable`. The socket path defaults to
+``$CONVERGENCED_SOCKET`` or ``/run/convergenced/convergenced.sock``.
 """
 
 from __future__ import annotations
 
-import itertools
 import queue
-import socket
-import threading
-from collections.abc import Generator, Mapping
-from contextlib import suppress
+import time
+from collections.abc import Callable, Generator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from convergenced.async_client import AsyncClient
+from convergenced.client_connection import Connection, Lost, ReconnectHook, Request
 from convergenced.client_protocol import (
-    MAX_REPLY_BYTES,
     DaemonUnreachable,
+    Reconnected,
     default_socket,
+    reconnect_bound,
     result_of,
     spec_wire,
 )
-from convergenced.core import local_api_codec as codec
 from convergenced.core.local_api_codec import ApiError, ErrorKind
 from convergenced.core.spec import StreamSpec
 
@@ -51,125 +59,75 @@ __all__ = [
     "DaemonUnreachable",
     "ErrorKind",
     "PendingCommit",
+    "Reconnected",
     "default_socket",
 ]
 
-_LOST = object()
-
 
 class Client:
-    """Blocking, thread-safe client of the local daemon."""
+    """Blocking, thread-safe client of the local daemon that survives its restarts."""
 
-    def __init__(self, socket_path: Path | str | None = None, *, timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        socket_path: Path | str | None = None,
+        *,
+        timeout: float = 10.0,
+        reconnect: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], object] | None = None,
+    ) -> None:
         """Connect to the daemon.
 
         Args:
             socket_path: the daemon's socket (default: `default_socket`).
-            timeout: seconds to wait for the connection itself (requests have their own).
+            timeout: seconds to wait for each connection attempt itself (requests
+                have their own).
+            reconnect: seconds to keep trying to connect again once the connection
+                ended (default ``$CONVERGENCED_RECONNECT_S``, else 60); 0: never, every
+                call then raises `DaemonUnreachable` once the connection is lost. The
+                first connection is tried once: a daemon missing at start is reported
+                at once.
+            clock, sleep: the clock of the reconnect bound and the pause between two
+                attempts (tests pass their own; ``sleep`` returns early on `close`
+                by default).
 
         Raises:
             DaemonUnreachable: nothing listens there, or access is denied.
+            ValueError: ``reconnect`` (or ``$CONVERGENCED_RECONNECT_S``) is not a
+                number of seconds >= 0.
         """
         self.socket_path = Path(socket_path) if socket_path else default_socket()
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.settimeout(timeout)
-        try:
-            self._sock.connect(str(self.socket_path))
-        except OSError as exc:
-            self._sock.close()
-            raise DaemonUnreachable(
-                f"cannot reach the daemon at {self.socket_path}: {exc}"
-            ) from None
-        self._sock.settimeout(None)
-        self._ids = itertools.count(1)
-        self._lock = threading.Lock()
-        self._pending: dict[int, queue.SimpleQueue[Any]] = {}
-        self._one_shot: set[int] = set()
-        """Requests nobody may be waiting for (`commit_nowait`): the reader forgets
-        them after their one reply, so an uncollected `PendingCommit` leaks nothing."""
-        self._lost: str | None = None
-        self._reader = threading.Thread(
-            target=self._read_loop, name="convergenced-client", daemon=True
+        self.reconnect = reconnect_bound(reconnect)
+        """The reconnect bound, in seconds (0: off)."""
+        self._connection = Connection(
+            self.socket_path, timeout=timeout, reconnect=self.reconnect, clock=clock, sleep=sleep
         )
-        self._reader.start()
-
-    # -- plumbing -----------------------------------------------------------------
-
-    def _read_loop(self) -> None:
-        reader = codec.FrameReader(MAX_REPLY_BYTES)
-        why = "the daemon closed the connection"
-        told = False  # the daemon said why it closed: keep that over what follows
-        try:
-            while True:
-                data = self._sock.recv(65536)
-                if not data:
-                    break
-                for reply in reader.feed(data):
-                    if not isinstance(reply, Mapping):
-                        raise ApiError(ErrorKind.INTERNAL, "bad_reply", f"not a map: {reply!r}")
-                    rid = reply.get("id")
-                    with self._lock:
-                        box = self._pending.get(rid) if isinstance(rid, int) else None
-                        if box is not None and rid in self._one_shot:
-                            self._one_shot.discard(rid)
-                            del self._pending[rid]
-                    if box is not None:
-                        box.put(reply)
-                    elif rid is None and "error" in reply:
-                        # An error for no request (not allowed, too many clients,
-                        # shutting down).
-                        why = str(codec.error_from_wire(reply["error"]))
-                        told = True
-        except (OSError, ApiError) as exc:
-            if not told:
-                why = f"connection lost: {exc}"
-        with self._lock:
-            self._lost = why
-            boxes = list(self._pending.values())
-        for box in boxes:
-            box.put(_LOST)
-
-    def _send(
-        self, op: str, args: dict[str, Any], *, one_shot: bool = False
-    ) -> tuple[int, queue.SimpleQueue[Any]]:
-        box: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        with self._lock:
-            if self._lost is not None:
-                raise DaemonUnreachable(self._lost)
-            rid = next(self._ids)
-            self._pending[rid] = box
-            if one_shot:
-                self._one_shot.add(rid)
-            try:
-                self._sock.sendall(codec.encode_frame(codec.request(rid, op, **args)))
-            except OSError as exc:
-                del self._pending[rid]
-                self._one_shot.discard(rid)
-                raise DaemonUnreachable(f"cannot send to the daemon: {exc}") from None
-        return rid, box
-
-    def _take(self, rid: int, box: queue.SimpleQueue[Any]) -> Any:
-        reply = box.get()
-        if reply is _LOST:
-            with self._lock:
-                self._pending.pop(rid, None)
-                raise DaemonUnreachable(self._lost or "connection lost")
-        return reply
 
     def call(self, op: str, **args: Any) -> Any:
-        """Send one request and return its result (raises `ApiError` on an error reply)."""
-        rid, box = self._send(op, args)
-        try:
-            return result_of(self._take(rid, box))
-        finally:
-            with self._lock:
-                self._pending.pop(rid, None)
+        """Send one request and return its result (raises `ApiError` on an error reply).
+
+        Raises:
+            ApiError: the daemon refused the request.
+            DaemonUnreachable: no connection, and none again within the reconnect bound.
+        """
+        return self._connection.call(op, **args)
+
+    def add_reconnect_hook(self, hook: ReconnectHook) -> None:
+        """Call ``hook`` after each reconnect to a daemon of another incarnation (it
+        restarted), before the unanswered requests are sent again and before any other
+        call goes through. It runs on the reconnecting thread: its own calls on this
+        client go through, those of other threads wait, so it must not wait for
+        another thread's call. An exception it raises is logged (`DaemonUnreachable`:
+        the reconnect is tried again, hooks included)."""
+        self._connection.add_hook(hook)
+
+    def remove_reconnect_hook(self, hook: ReconnectHook) -> None:
+        """Stop calling ``hook`` (nothing happens if it was not added)."""
+        self._connection.remove_hook(hook)
 
     def close(self) -> None:
         """Close the connection (pending calls raise `DaemonUnreachable`)."""
-        with suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
+        self._connection.close()
 
     def __enter__(self) -> Client:
         return self
@@ -190,13 +148,24 @@ class Client:
         return list(self.call("streams"))
 
     def declare(self, spec: StreamSpec | Mapping[str, Any]) -> dict[str, Any]:
-        """Declare a stream (idempotent; a different spec under the same name is refused)."""
-        return dict(self.call("declare", spec=spec_wire(spec)))
+        """Declare a stream (idempotent; a different spec under the same name is refused).
+
+        The client declares it again after reconnecting to its daemon, so a daemon
+        that lost its state knows the stream before anything else is sent again.
+        """
+        wire = spec_wire(spec)
+        result = dict(self.call("declare", spec=wire))
+        self._connection.declared(str(result.get("stream", wire.get("name"))), wire)
+        return result
 
     def commit(
         self, stream: str, rank: int, domain: str, epoch: int, *, digest: str = "", size: int = 0
     ) -> dict[str, Any]:
-        """Report ``epoch`` durable in ``domain`` for ``rank``; returns once logged durably."""
+        """Report ``epoch`` durable in ``domain`` for ``rank``; returns once logged durably.
+
+        Sent again if the connection ends first: a commit the daemon already holds
+        is acknowledged and counted once.
+        """
         return dict(
             self.call(
                 "commit",
@@ -218,12 +187,13 @@ class Client:
         daemon logs the commit and answers while training goes on. Until the answer,
         the daemon may not count the epoch: a crash before its log is durable loses
         the commit (never the shard), and the epoch is then simply not restorable
-        from this rank, which is safe. Collect the answer with
-        `PendingCommit.result` before relying on the epoch (before retiring older
-        checkpoints, at the latest at the next checkpoint) to see any error.
+        from this rank, which is safe; if the daemon comes back within the reconnect
+        bound, the client sends the commit again and the answer still comes. Collect
+        it with `PendingCommit.result` before relying on the epoch (before retiring
+        older checkpoints, at the latest at the next checkpoint) to see any error.
 
         Raises:
-            DaemonUnreachable: the request could not be sent.
+            DaemonUnreachable: no connection, and none again within the bound.
         """
         args = {
             "stream": stream,
@@ -233,8 +203,8 @@ class Client:
             "digest": digest,
             "size": size,
         }
-        rid, box = self._send("commit", args, one_shot=True)
-        return PendingCommit(self, rid, box)
+        _, req = self._connection.send("commit", args)
+        return PendingCommit(req)
 
     def retract(self, stream: str, rank: int, domain: str, epoch: int) -> dict[str, Any]:
         """Report ``epoch`` lost or corrupt in ``domain`` for ``rank``."""
@@ -252,7 +222,8 @@ class Client:
         """Block until the restore point reaches ``epoch``; returns the state.
 
         Raises:
-            ApiError: kind ``timeout`` after ``timeout`` seconds.
+            ApiError: kind ``timeout`` after ``timeout`` seconds (a reconnect meanwhile
+                does not extend it).
         """
         return dict(self.call("wait", stream=stream, epoch=epoch, timeout=timeout))
 
@@ -265,39 +236,33 @@ class Client:
         )
 
     def watch(self, stream: str) -> Generator[dict[str, Any], None, None]:
-        """The state now and after every change; stop iterating (or close) to end it."""
-        rid, box = self._send("watch", {"stream": stream})
+        """The state now and after every change; stop iterating (or close) to end it.
+
+        After a reconnect the watch is subscribed again; an event equal to the last
+        one yielded is skipped, so every event still differs from the previous one.
+        """
+        rid, req = self._connection.send("watch", {"stream": stream})
+        last: dict[str, Any] | None = None
         try:
             while True:
-                yield dict(result_of(self._take(rid, box)))
+                event = dict(result_of(req.take()))
+                if event != last:
+                    last = event
+                    yield event
         finally:
-            with self._lock:
-                self._pending.pop(rid, None)
-            if self._lost is None:
-                self._forget(rid)
-
-    def _forget(self, rid: int) -> None:
-        # Cancel without waiting for the reply (which then has no taker).
-        with self._lock:
-            try:
-                frame = codec.request(next(self._ids), "cancel", target=rid)
-                self._sock.sendall(codec.encode_frame(frame))
-            except OSError:
-                pass
+            self._connection.forget(rid, cancel=True)
 
 
 class PendingCommit:
     """A commit sent by `Client.commit_nowait`, its acknowledgement still to come."""
 
-    def __init__(self, client: Client, rid: int, box: queue.SimpleQueue[Any]) -> None:
-        self._client = client
-        self._rid = rid
-        self._box = box
+    def __init__(self, req: Request) -> None:
+        self._req = req
         self._reply: Any = None
 
     def done(self) -> bool:
-        """Whether the answer (or the news of a lost connection) has arrived."""
-        return self._reply is not None or not self._box.empty()
+        """Whether the answer (or the news that none will come) has arrived."""
+        return self._reply is not None or not self._req.box.empty()
 
     def result(self, timeout: float | None = None) -> dict[str, Any]:
         """Wait for the acknowledgement and return it, as `Client.commit` would.
@@ -305,16 +270,14 @@ class PendingCommit:
         Raises:
             TimeoutError: no answer within ``timeout`` seconds (ask again later).
             ApiError: the daemon refused the commit.
-            DaemonUnreachable: the connection was lost before the answer.
+            DaemonUnreachable: the connection was lost before the answer, and the
+                daemon could not be reached again within the reconnect bound.
         """
         if self._reply is None:
             try:
-                self._reply = self._box.get(timeout=timeout)
+                self._reply = self._req.box.get(timeout=timeout)
             except queue.Empty:
                 raise TimeoutError(f"no answer to the commit within {timeout} s") from None
-        if self._reply is _LOST:
-            with self._client._lock:
-                self._client._pending.pop(self._rid, None)
-                self._client._one_shot.discard(self._rid)
-                raise DaemonUnreachable(self._client._lost or "connection lost")
+        if isinstance(self._reply, Lost):
+            raise DaemonUnreachable(self._reply.message)
         return dict(result_of(self._reply))

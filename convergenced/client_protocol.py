@@ -1,15 +1,41 @@
 """What the blocking and the trio client of the local daemon share.
 
 Where the daemon's socket is, the error a client raises when it cannot reach the
-daemon, and how a reply turns into a result or an `ApiError`. `convergenced.client`
-(`Client`) and `convergenced.async_client` (`AsyncClient`) build on it; training code
-imports both clients from `convergenced.client`.
+daemon, how a reply turns into a result or an `ApiError`, and the rules of
+reconnecting. `convergenced.client` (`Client`) and `convergenced.async_client`
+(`AsyncClient`) build on it; training code imports both clients from
+`convergenced.client`.
+
+**Reconnecting.** A daemon restarts under running jobs (``Restart=on-failure``, an
+upgrade, ``kill -9``). When its connection ends, a client connects again with
+backoff (50 ms, doubling up to 1 s) for at most the *reconnect bound*
+(`reconnect_bound`: the ``reconnect`` argument, else ``$CONVERGENCED_RECONNECT_S``,
+else 60 s), then raises `DaemonUnreachable` naming the socket and how long it tried.
+Calls made meanwhile wait for the connection (never past the bound). Once connected,
+the client declares again the streams it declared, and sends again every request
+still unanswered (`RETRIED`), each of which may be sent twice because:
+
+* ``status``, ``streams``, ``state``, ``restore_point``, ``wait``: reads (a wait or a
+  restore_point keeps what is left of its timeout; it is not extended);
+* ``watch``: subscribed again, it starts with the state now;
+* ``declare``: idempotent for the same spec;
+* ``commit``: a commit the daemon already holds, with the same digest, is
+  acknowledged once durable and adds no fact, so it is never counted twice;
+* ``retract``: the epoch is not held either way;
+* ``retire``: a retirement that already happened is refused (``not_safe_to_delete``:
+  the epoch is no longer held) and the caller keeps its file; the checkpoint store
+  deletes it when the daemon later refuses its commit as ``retired``.
+
+``cancel`` is never sent again (what it cancelled is gone with the connection). A
+refusal for good (``not_allowed``: this uid may not use the daemon) is not retried.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +44,17 @@ from convergenced.core.spec import StreamSpec
 from convergenced.errors import ConvergencedError
 
 __all__ = [
+    "DEFAULT_RECONNECT_S",
     "MAX_REPLY_BYTES",
+    "RECONNECT_ENV",
+    "RETRIED",
     "DaemonUnreachable",
+    "Outage",
+    "Reconnected",
+    "closes_for_good",
     "default_socket",
+    "going_away",
+    "reconnect_bound",
     "result_of",
     "spec_wire",
 ]
@@ -53,3 +87,115 @@ def result_of(reply: Mapping[str, Any]) -> Any:
     if "error" in reply:
         raise codec.error_from_wire(reply["error"])
     return reply.get("ok", reply.get("event"))
+
+
+# -- reconnecting ---------------------------------------------------------------------
+
+RECONNECT_ENV = "CONVERGENCED_RECONNECT_S"
+"""The environment variable of the default reconnect bound, in seconds."""
+DEFAULT_RECONNECT_S = 60.0
+"""The reconnect bound without an argument or environment variable: long enough for
+systemd to restart a daemon (``RestartSec`` plus its start), short enough that a job
+whose daemon is gone for good learns it within a minute."""
+FIRST_PAUSE_S = 0.05
+MAX_PAUSE_S = 1.0
+
+RETRIED = frozenset(
+    {
+        "status",
+        "streams",
+        "declare",
+        "commit",
+        "retract",
+        "retire",
+        "state",
+        "wait",
+        "restore_point",
+        "watch",
+    }
+)
+"""The operations sent again after a reconnect (see the module docstring for why
+each may be sent twice). Not ``cancel``."""
+
+_FOR_GOOD = frozenset({"not_allowed"})
+
+
+def reconnect_bound(value: float | None = None) -> float:
+    """The reconnect bound in seconds: ``value``, else ``$CONVERGENCED_RECONNECT_S``,
+    else `DEFAULT_RECONNECT_S`; 0 turns reconnecting off.
+
+    Raises:
+        ValueError: not a finite number of seconds >= 0.
+    """
+    if value is None:
+        env = os.environ.get(RECONNECT_ENV)
+        if env is None or not env.strip():
+            return DEFAULT_RECONNECT_S
+        try:
+            bound = float(env)
+        except ValueError:
+            bound = math.nan
+        where = f"${RECONNECT_ENV}={env!r}"
+    else:
+        bound = float(value)
+        where = f"reconnect={value!r}"
+    if not (math.isfinite(bound) and bound >= 0):
+        raise ValueError(f"{where}: expected a finite number of seconds >= 0")
+    return bound
+
+
+@dataclass(frozen=True, slots=True)
+class Reconnected:
+    """What a reconnect hook is told: the daemon's incarnation before (None: this
+    client had not asked yet) and now, and how long the client was without it."""
+
+    previous: int | None
+    incarnation: int | None
+    after_s: float
+
+
+def going_away(reply: Mapping[str, Any]) -> bool:
+    """Whether ``reply`` says only that the daemon is stopping (the request is then
+    answered by its next life, if it comes back within the bound)."""
+    err = reply.get("error")
+    return isinstance(err, Mapping) and err.get("reason") == "shutting_down"
+
+
+def closes_for_good(error: codec.ApiError) -> bool:
+    """Whether the daemon's reason for closing the connection holds for every
+    connection of this client (trying again cannot help)."""
+    return error.reason in _FOR_GOOD
+
+
+class Outage:
+    """One lost connection: the attempts to connect again and when to give up."""
+
+    def __init__(self, bound: float, started: float, why: str) -> None:
+        self.bound = bound
+        self.started = started
+        self.why = why
+        """Why the connection ended."""
+        self.attempts = 0
+        self.last_error = why
+        self._pause = FIRST_PAUSE_S
+
+    def failed(self, error: str, now: float) -> float | None:
+        """Count a failed attempt; the pause before the next one, or None once the
+        bound has passed (a pause never reaches past it)."""
+        self.attempts += 1
+        self.last_error = error
+        left = self.started + self.bound - now
+        if left <= 1e-9:
+            return None
+        pause = min(self._pause, left)
+        self._pause = min(self._pause * 2, MAX_PAUSE_S)
+        return pause
+
+    def give_up(self, socket_path: Path, now: float) -> str:
+        """The message of the `DaemonUnreachable` raised once the bound has passed."""
+        return (
+            f"cannot reach the daemon at {socket_path}: tried to reconnect for "
+            f"{now - self.started:.1f} s ({self.attempts} attempts, reconnect bound "
+            f"{self.bound:g} s, ${RECONNECT_ENV}) after {self.why}; last error: "
+            f"{self.last_error}"
+        )

@@ -113,7 +113,7 @@ class LocalCluster:
             if proc.poll() is not None:
                 raise RuntimeError(f"{node_name(i)} exited with {proc.returncode}:\n{self.log(i)}")
             try:
-                with Client(self.socket_path(i), timeout=1) as c:
+                with Client(self.socket_path(i), timeout=1, reconnect=0) as c:
                     c.status()
                 return
             except DaemonUnreachable:
@@ -136,9 +136,11 @@ class LocalCluster:
 
     # -- clients ----------------------------------------------------------------------
 
-    def client(self, i: int) -> Client:
-        """A new blocking client of node ``i`` (closed with the cluster)."""
-        c = Client(self.socket_path(i))
+    def client(self, i: int, *, reconnect: float = 0) -> Client:
+        """A new blocking client of node ``i`` (closed with the cluster). It does not
+        reconnect unless ``reconnect`` says for how long: tests that kill a daemon see
+        the connection end at once."""
+        c = Client(self.socket_path(i), reconnect=reconnect)
         self._clients.append(c)
         return c
 

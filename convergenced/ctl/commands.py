@@ -136,7 +136,9 @@ def _watch(client: Client, args: argparse.Namespace) -> int:
 
 def _request(args: argparse.Namespace) -> int:
     """Connect, make the request, print the result; exceptions go to `_run`."""
-    with Client(args.socket) as client:
+    # No reconnecting: a command reports a daemon that went away at once (exit 3), and
+    # a script runs it again.
+    with Client(args.socket, reconnect=0) as client:
         if args.command == "watch":
             return _watch(client, args)
         if args.command == "top":

@@ -151,7 +151,8 @@ class Demo:
         for _ in range(2):
             try:
                 if i not in clients:
-                    clients[i] = Client(self.cluster.socket_path(i), timeout=0.5)
+                    # It reconnects itself, once, at the next look: never blocks.
+                    clients[i] = Client(self.cluster.socket_path(i), timeout=0.5, reconnect=0)
                 return clients[i].state(STREAM)
             except (DaemonUnreachable, ApiError, OSError):
                 stale = clients.pop(i, None)
