@@ -298,3 +298,40 @@ def test_a_temp_file_left_by_a_crashed_writer_is_swept_at_start(tmp_path: Path) 
     store = CheckpointStore(no_daemon, "job", 0, local)
     assert store.swept == [stale]
     assert not stale.exists() and other_rank.exists()
+
+
+def test_a_store_opening_commits_again_the_verified_shards_it_finds(
+    client: Client, tmp_path: Path
+) -> None:
+    """What the tiers hold is committed again when a store opens: shards that verify,
+    read once (a second pass reads only a rewritten file); not a corrupt one; and a
+    shard of an epoch the daemon says was retired (a deletion cut short) is deleted."""
+    stream = _declare(client, "reopen", "nvme", retention=1)
+    local = Tier("nvme", tmp_path / "nvme")
+    with CheckpointStore(client, stream, 0, local) as store:
+        assert store.recommitted is not None and store.recommitted.committed == []
+        for epoch in range(1, 6):
+            store.save(epoch, bytes([epoch]))
+        client.wait(stream, 5, timeout=20)
+        _eventually(lambda: client.state(stream)["safe_to_delete"] == [[1, 3]])
+        assert len(store.gc()) == 3
+    # Epoch 2 back on disk (retired: its deletion was cut short); epoch 6 corrupt; epoch
+    # 7 written but never committed (a crash before the commit, or a daemon that lost
+    # its state).
+    write_atomic(shard_path(local.directory, stream, 2, 0), encode_shard(stream, 0, 2, b"2")[0])
+    data = bytearray(encode_shard(stream, 0, 6, b"six")[0])
+    data[-1] ^= 1
+    write_atomic(shard_path(local.directory, stream, 6, 0), bytes(data))
+    write_atomic(shard_path(local.directory, stream, 7, 0), encode_shard(stream, 0, 7, b"7")[0])
+    with CheckpointStore(client, stream, 0, local) as store:
+        done = store.recommitted
+        assert done is not None
+        assert done.committed == [("nvme", 4), ("nvme", 5), ("nvme", 7)]
+        assert done.read == [("nvme", e) for e in (2, 4, 5, 6, 7)]
+        assert done.corrupt == [("nvme", 6)] and done.deleted == [("nvme", 2)]
+        assert store.epochs(local) == [4, 5, 6, 7]
+        assert client.state(stream)["newest"]["node-1"]["nvme"] == 7
+        again = store.ledger.recommit()  # what a reconnect runs: nothing is read again
+        assert again.read == [] and again.committed == done.committed
+        write_atomic(shard_path(local.directory, stream, 7, 0), encode_shard(stream, 0, 7, b"7")[0])
+        assert store.ledger.recommit().read == [("nvme", 7)]

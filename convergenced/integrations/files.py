@@ -41,6 +41,12 @@ which refuses shards of different epochs (`MixedEpochError`). `CheckpointStore.g
 deletes only epochs the daemon lists in ``safe_to_delete``, and retires each one
 before deleting it.
 
+**Daemon restarts.** The store opens by committing again every shard of its rank it
+finds in its tiers, after verifying each one, and does it again after its client
+reconnects to a daemon that restarted, so a daemon that lost its state directory
+learns again what this node holds (`convergenced.integrations.recommit` says what
+that costs, and why a shard the daemon says was retired is deleted).
+
 This module is the store; the shard format and the errors live in
 `convergenced.integrations.shards` and `convergenced.integrations.errors`, and the
 names a job needs from them are re-exported here.
@@ -69,6 +75,7 @@ from convergenced.integrations.errors import (
     ShardUnavailableError,
     UploadError,
 )
+from convergenced.integrations.recommit import Ledger, Recommitted
 from convergenced.integrations.shards import (
     _EPOCH_DIR,
     Payload,
@@ -90,6 +97,7 @@ __all__ = [
     "MixedEpochError",
     "NoRestorePointError",
     "Payload",
+    "Recommitted",
     "RestorePointLostError",
     "Restored",
     "Shard",
@@ -195,8 +203,9 @@ class CheckpointStore:
         remote: Tier | None = None,
         *,
         upload_delay: float | Callable[[int], float] = 0.0,
+        recommit: bool = True,
     ) -> None:
-        """A store for ``rank`` of ``stream``.
+        """A store for ``rank`` of ``stream``; opening it commits again what it holds.
 
         Args:
             client: a client of this node's daemon (`convergenced.client.Client`).
@@ -206,6 +215,14 @@ class CheckpointStore:
             remote: the slow tier, written by the background uploader (None: no uploads).
             upload_delay: seconds each upload takes on top of the copy (a number, or a
                 function of the epoch), to model an object store's lag.
+            recommit: verify and commit again every shard of this rank found in the
+                tiers, now and after each reconnect of ``client`` to a daemon that
+                restarted (`convergenced.integrations.recommit`).
+
+        Raises:
+            ApiError: the daemon refused to take a shard found on disk again (say the
+                stream is not declared yet: declare before opening the store).
+            DaemonUnreachable: shards were found and the daemon cannot be reached.
         """
         if local.domain == (remote.domain if remote is not None else None):
             raise ValueError(f"local and remote tiers share the domain {local.domain!r}")
@@ -228,6 +245,32 @@ class CheckpointStore:
         """Epochs uploaded and committed to the remote tier, in order (for progress)."""
         self.swept = self._sweep_temp_files()
         """Temporary files of this rank left by a crash mid-write, removed at start."""
+        self.ledger = Ledger(client, stream, rank, self._locate, self._listing)
+        """The shards known to verify, and committing them again."""
+        self.recommitted: Recommitted | None = None
+        """What the last pass of committing again did (None: none ran)."""
+        self._hooked = False
+        if recommit:
+            self.recommitted = self.ledger.recommit()
+            add_hook = getattr(client, "add_reconnect_hook", None)
+            if add_hook is not None:
+                add_hook(self._reconnected)
+                self._hooked = True
+
+    def _reconnected(self, info: object) -> None:
+        # On the client's reconnecting thread, before any other call goes through:
+        # it must not wait for this store's lock (an upload may hold it, waiting for
+        # the connection). The ledger never holds a lock across a request.
+        if not self._closed:
+            self.recommitted = self.ledger.recommit()
+
+    def _locate(self, domain: str, epoch: int) -> Path:
+        tier = self.local if domain == self.local.domain else self.remote
+        assert tier is not None and tier.domain == domain
+        return self.path(tier, epoch)
+
+    def _listing(self) -> list[tuple[str, int]]:
+        return [(tier.domain, epoch) for tier in self.tiers for epoch in self.epochs(tier)]
 
     def _sweep_temp_files(self) -> list[Path]:
         # A crash between writing a temp file and renaming it leaves the temp file
@@ -294,6 +337,7 @@ class CheckpointStore:
         data, digest, size = encode_shard(self.stream, self.rank, epoch, payload)
         path = self.path(self.local, epoch)
         write_atomic(path, data)
+        self.ledger.remember(self.local.domain, epoch, digest, size)
         self.client.commit(
             self.stream, self.rank, self.local.domain, epoch, digest=digest, size=size
         )
@@ -349,6 +393,7 @@ class CheckpointStore:
             shard = decode_shard(data, path=src, stream=self.stream, rank=self.rank, epoch=epoch)
             dst = self.path(remote, epoch)
             write_atomic(dst, data)
+            self.ledger.remember(remote.domain, epoch, shard.digest, shard.size)
             try:
                 self.client.commit(
                     self.stream,
@@ -363,6 +408,7 @@ class CheckpointStore:
                     raise
                 with contextlib.suppress(OSError):
                     dst.unlink()  # retired in the remote tier meanwhile: not wanted there
+                self.ledger.forget(remote.domain, epoch)
                 return
             self.uploaded.append(epoch)
 
@@ -398,6 +444,9 @@ class CheckpointStore:
         """
         if self._closed:
             return
+        if self._hooked:
+            self._hooked = False
+            self.client.remove_reconnect_hook(self._reconnected)  # type: ignore[attr-defined]
         try:
             if flush:
                 self.flush(timeout)
@@ -540,6 +589,7 @@ class CheckpointStore:
                     self._collected.add((tier.domain, epoch))
                     with contextlib.suppress(FileNotFoundError):
                         path.unlink()
+                    self.ledger.forget(tier.domain, epoch)
                     with contextlib.suppress(OSError):
                         path.parent.rmdir()  # the epoch directory, once every rank left it
                     with contextlib.suppress(OSError):
