@@ -1,7 +1,8 @@
 """Log compaction: `NodeCore.compacted_facts` rebuilds the same local state as the
-full log, refuses the same facts afterwards, and survives a round trip through the
-write-ahead log. (The simulator also compacts every eighth write of each node's log,
-so the S1-S5 oracle checks compaction under faults; see `sim.node`.)"""
+full log, refuses the same facts afterwards, tells the same commits sent again, and
+survives a round trip through the write-ahead log. (The simulator also compacts every
+eighth write of each node's log, so the S1-S5 oracle checks compaction under faults;
+see `sim.node`.)"""
 
 from __future__ import annotations
 
@@ -36,8 +37,8 @@ epoch_facts = st.tuples(
 def _fact(kind: str, stream: str, rank: int, domain: str, epoch: int) -> Fact:
     if stream == "any":
         rank = 0
-    if kind == "commit":
-        return Commit(stream, rank, domain, epoch, "d", 1)
+    if kind == "commit":  # some with a digest and size, some without
+        return Commit(stream, rank, domain, epoch, *(("d", 1), ("e", 2), ("", 0))[epoch % 3])
     if kind == "retract":
         return Retract(stream, rank, domain, epoch)
     if kind == "retire":
@@ -85,6 +86,9 @@ def _refusals(node: NodeCore) -> list[str | None]:
             out.append(None)
         except ConvergencedError as exc:
             out.append(getattr(exc, "reason", type(exc).__name__))
+            continue
+        for digest, size in (("d", 1), ("e", 2), ("", 0)):  # new, repeat or other content
+            out.append(node.judge(Commit(p.stream, p.rank, p.domain, p.epoch, digest, size)).value)
     return out
 
 

@@ -14,13 +14,19 @@ copy of them. The rules on top of the core's own checks:
   ``max_streams`` streams (both from the configuration's limits);
 * a retirement records a deletion the daemon allowed: an epoch that is not in
   ``safe_to_delete`` is refused (deleting anything else is a loss, which a
-  retraction reports, and which may roll the restore point back).
+  retraction reports, and which may roll the restore point back);
+* a fact the node already holds, sent again (a declaration of the spec declared, a
+  commit of an epoch held with nothing else to say, see `commits`), is a *repeat*:
+  acknowledged, and neither applied nor logged again. Its reply, like every reply,
+  goes through the output gate, so it waits for the fsync of the fact it repeats.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+from convergenced.core.commits import Verdict
 from convergenced.core.errors import FactError, SpecConflictError, SpecError
 from convergenced.core.facts import Commit, Declare, Fact, Incarnation, Retire, Retract
 from convergenced.core.gate import OutputGate
@@ -44,6 +50,15 @@ def rejected(exc: Exception) -> ApiError:
     return ApiError(ErrorKind.REJECTED, reason, str(exc))
 
 
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """A fact the node accepted, and the reply for when it is durable."""
+
+    reply: dict[str, Any]
+    repeat: bool = False
+    """The node held the fact already: nothing was applied or logged."""
+
+
 class Admission:
     """Admits facts for one node (see the module docstring)."""
 
@@ -60,7 +75,7 @@ class Admission:
         self.max_streams = max_streams
         self.max_members = max_members
 
-    def submit(self, fact: Fact) -> dict[str, Any]:
+    def submit(self, fact: Fact) -> Admitted:
         """Admit, apply and log ``fact``; return the reply for when it is durable.
 
         Raises:
@@ -68,6 +83,8 @@ class Admission:
         """
         self._admit(fact)
         try:
+            if self._repeats(fact):
+                return Admitted(self._reply(fact), repeat=True)
             self.gate.apply(fact)
         except SpecConflictError as exc:
             if isinstance(fact, Declare):
@@ -75,6 +92,21 @@ class Admission:
             raise rejected(exc) from None
         except (FactError, SpecError) as exc:
             raise rejected(exc) from None
+        return Admitted(self._reply(fact))
+
+    def _repeats(self, fact: Fact) -> bool:
+        """Whether ``fact`` is one the node holds already (checked first: a refusal
+        is never mistaken for a repeat)."""
+        if isinstance(fact, Declare):
+            self.node.check(fact)  # a member's different spec is still a conflict
+            return fact.spec.name in self.node.streams()
+        if isinstance(fact, Commit):
+            self.node.check(fact)
+            return self.node.judge(fact) is Verdict.REPEAT
+        return False
+
+    @staticmethod
+    def _reply(fact: Fact) -> dict[str, Any]:
         if isinstance(fact, Declare):
             return {"stream": fact.spec.name, "digest": fact.spec.digest.hex()}
         if isinstance(fact, Commit | Retract | Retire):

@@ -13,6 +13,10 @@ Availability per (rank, domain) is tracked as an interval set that commits add t
 and retractions and retirements remove from. A retired epoch is gone for good: a
 commit for it is refused, because the daemon already told someone it could be
 deleted.
+
+Beside each held epoch, the digest and size it was committed with (its `Content`)
+are kept while the epoch is held, so a commit sent again can be told from a
+different checkpoint of the same epoch (`commits`). Log compaction keeps them too.
 """
 
 from __future__ import annotations
@@ -46,6 +50,26 @@ class Commit:
     """Content digest the rank computed (opaque to the core; kept in the log)."""
     size: int = 0
     """Bytes written (opaque to the core; kept in the log)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Content:
+    """What a commit said about the bytes of the epoch it made durable.
+
+    Kept per held (rank, domain, epoch) when the commit stated a digest or a size;
+    an epoch held without one has none (`StreamFacts.content`).
+    """
+
+    digest: str
+    size: int
+    after: int | None
+    """The newest recovery generation this node had frozen when the commit was
+    applied (None: none). Derived from the order of the log, so a replay gives the
+    same; `commits` compares it with the generations frozen since."""
+
+    def same(self, digest: str, size: int) -> bool:
+        """Whether a commit stating ``digest`` and ``size`` says the same bytes."""
+        return self.digest == digest and self.size == size
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,9 +139,9 @@ class RankState:
     """All that one rank committed, lost and retired in one domain, in compacted form.
 
     Written only by log compaction, in place of the commits, retractions and
-    retirements it sums up; applying it sets the rank's sets to exactly these. The
-    digests and sizes of the commits it replaces are not kept (the core never reads
-    them).
+    retirements it sums up; applying it sets the rank's sets to exactly these and
+    forgets the digests and sizes held for them. Compaction writes, after it, one
+    `Commit` per held epoch that has a `Content`, which brings them back.
     """
 
     stream: str
@@ -171,6 +195,8 @@ class StreamFacts:
     for this node itself means the mark was adopted from a life it does not remember
     (`lives`, rule 3): it bounds the rollback floor but never stands in for a
     restore point after a restart."""
+    contents: dict[tuple[int, str], dict[int, Content]] = field(default_factory=dict)
+    """Per (rank, domain), the `Content` of each held epoch whose commit stated one."""
     _rank_sets: dict[int, IntervalSet] = field(default_factory=dict)
     _recoverable: IntervalSet = field(default_factory=IntervalSet)
     _ranks: tuple[int, ...] = ()
@@ -224,10 +250,25 @@ class StreamFacts:
                 reason="retired",
             )
 
+    def content(self, rank: int, domain: str, epoch: int) -> Content | None:
+        """The `Content` of a held epoch (None: not held, or held without one)."""
+        held = self.contents.get((rank, domain))
+        return held.get(epoch) if held else None
+
+    def holds(self, rank: int, domain: str, epoch: int) -> bool:
+        """Whether ``rank`` holds ``epoch`` in ``domain`` (committed, not lost or retired)."""
+        return epoch in self.available.get((rank, domain), EMPTY)
+
     def apply(self, fact: EpochFact) -> bool:
-        """Apply a checked fact; return True when the recoverable set or newest changed."""
+        """Apply a checked fact; return True when the recoverable set or newest changed.
+
+        A commit of an epoch already held replaces its `Content` (the log holds the
+        commits admitted, in order: the last one stands); `commits` decides which
+        may be admitted.
+        """
         self.check(fact)
         key = (fact.rank, fact.domain)
+        self._set_content(key, fact)
         before = self.available.get(key, EMPTY)
         if isinstance(fact, Commit):
             after = before.add(fact.epoch)
@@ -246,6 +287,17 @@ class StreamFacts:
         if fact.domain in self.spec.policy.domains:
             self._recompute_rank(fact.rank)
         return True
+
+    def _set_content(self, key: tuple[int, str], fact: EpochFact) -> None:
+        held = self.contents.get(key)
+        if isinstance(fact, Commit) and (fact.digest or fact.size):
+            if held is None:
+                held = self.contents[key] = {}
+            held[fact.epoch] = Content(fact.digest, fact.size, self.generations.newest_frozen())
+        elif held is not None:
+            held.pop(fact.epoch, None)  # lost, retired, or committed again without one
+            if not held:
+                del self.contents[key]
 
     def _commit_added(self, rank: int, domain: str, epoch: int) -> None:
         # A commit only adds one epoch, so every derived set can only gain that epoch:
@@ -302,6 +354,7 @@ class StreamFacts:
         """Apply a compacted `RankState` (checked first)."""
         self.check_rank(state.rank, state.domain)
         key = (state.rank, state.domain)
+        self.contents.pop(key, None)  # the commits compaction writes after it restore them
         for table, value in ((self.available, state.available), (self.retired, state.retired)):
             if value:
                 table[key] = value
@@ -326,6 +379,18 @@ class StreamFacts:
             for rank, domain in keys
             if self.available.get((rank, domain)) or self.retired.get((rank, domain))
         ]
+
+    def content_commits(self) -> list[tuple[int | None, Commit]]:
+        """The `Commit` that restores each held `Content` after its `RankState`, with
+        the newest generation frozen when it was first applied (compaction writes
+        each before the frozen sets of later generations, so a replay gives the
+        same), sorted."""
+        out: list[tuple[int | None, Commit]] = []
+        name = self.spec.name
+        for (rank, domain), held in sorted(self.contents.items()):
+            for epoch, c in sorted(held.items()):
+                out.append((c.after, Commit(name, rank, domain, epoch, c.digest, c.size)))
+        return out
 
     # -- derived state -------------------------------------------------------
 

@@ -210,6 +210,14 @@ class Generations:
 
     # -- queries ----------------------------------------------------------------------
 
+    def newest_frozen(self) -> int | None:
+        """The newest generation frozen here and still open (None: none).
+
+        The newest one frozen is never closed by a newer one resolving, nor evicted
+        while it is the newest, so this is also the newest ever frozen here.
+        """
+        return max(self.frozen) if self.frozen else None
+
     def unresolved(self) -> list[int]:
         """Open generations still waiting for some member's frozen set."""
         return sorted(g for g in self.frozen if g not in self.answers)

@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 
 from convergenced.core.agreement import Decision, Knowledge
+from convergenced.core.commits import Verdict, judge
 from convergenced.core.declarations import Declarations
 from convergenced.core.errors import FactError, UnknownStreamError
 from convergenced.core.events import (
@@ -172,6 +173,14 @@ class NodeCore(Declarations, EarlierLives):
         elif isinstance(fact, RankState):
             st.facts.check_rank(fact.rank, fact.domain)
 
+    def judge(self, commit: Commit) -> Verdict:
+        """Whether ``commit`` is new here or was sent again (`commits`); check it first.
+
+        Raises:
+            UnknownStreamError: the stream is not declared here.
+        """
+        return judge(self._stream(commit.stream).facts, commit)
+
     def apply(self, fact: Fact) -> None:
         """Apply a fact (checked first) and re-evaluate its stream.
 
@@ -258,17 +267,25 @@ class NodeCore(Declarations, EarlierLives):
         """The shortest list of facts whose `replay` rebuilds this node's local state.
 
         Used by log compaction: per stream, the declaration, one `RankState` per
-        (rank, domain), the open frozen sets, the generation closure, and one
-        high-water mark carrying the merged evidence. Replaying them gives the same
-        facts, the same refusals (retired epochs stay retired) and, after a restart,
-        the same protection against stale records as replaying the full log.
+        (rank, domain), the digests and sizes held (as commits), the open frozen sets,
+        the generation closure, and one high-water mark carrying the merged evidence.
+        Replaying them gives the same facts, the same refusals (retired epochs stay
+        retired), the same repeats and, after a restart, the same protection against
+        stale records as replaying the full log.
         """
         out: list[Fact] = []
         for name in sorted(self._streams):
             f = self._streams[name].facts
             out.append(Declare(f.spec))
             out.extend(f.compacted())
-            out.extend(Freeze(name, g, s) for g, s in f.generations.open_sets())
+            # The digests and sizes held, as commits, each before the frozen sets of
+            # the generations frozen after it was applied (see `Content.after`).
+            commits = f.content_commits()
+            for g, s in f.generations.open_sets():
+                out.extend(c for after, c in commits if after is None or after < g)
+                commits = [(after, c) for after, c in commits if after is not None and after >= g]
+                out.append(Freeze(name, g, s))
+            out.extend(c for _, c in commits)
             if f.generations.closed_below:
                 out.append(CloseGenerations(name, f.generations.closed_below))
             if f.high_water is not None:

@@ -78,6 +78,9 @@ CATALOG: tuple[MetricSpec, ...] = (
        "acknowledged) or rejected (refused, nothing changed); the ratio is the commit "
        "success ratio per domain"),
     _m("facts", "counter", ("type",), "facts submitted by local clients and applied, by type"),
+    _m("repeated_facts", "counter", ("type",), "facts sent again that this node already held "
+       "(a client retrying after a reconnect): acknowledged once durable, neither applied, "
+       "logged, nor counted in commits or facts"),
     _m("rollbacks", "counter", S, "backward moves of the restore point (after losses)"),
     _m("retractions", "counter", S, "epochs reported lost or corrupt"),
     _m("spec_conflicts", "counter", S, "members seen publishing a different spec for the "

@@ -76,6 +76,7 @@ class Telemetry:
         Gauge(info.name, info.help, list(info.labels), registry=r).labels(__version__).set(1)
         self.commits = _counter("commits", r)
         self.facts = _counter("facts", r)
+        self.repeated = _counter("repeated_facts", r)
         self.retractions = _counter("retractions", r)
         self.rollbacks = _counter("rollbacks", r)
         self.spec_conflicts = _counter("spec_conflicts", r)
@@ -142,6 +143,11 @@ class Telemetry:
             self.commits.labels(domain=fact.domain, outcome="accepted").inc()
         elif isinstance(fact, Retract):
             self.retractions.labels(stream=fact.stream).inc()
+
+    def fact_repeated(self, fact: Fact) -> None:
+        """A client sent again a fact the node held already (acknowledged, not applied):
+        counted apart, so commits and facts count each fact once."""
+        self.repeated.labels(type=type(fact).__name__.lower()).inc()
 
     def fact_refused(self, fact: Fact, declared_domains: Iterable[str]) -> None:
         """A client's fact was refused; ``declared_domains``: of its stream, if declared.
@@ -282,8 +288,9 @@ class Telemetry:
     def counters(self) -> dict[str, int]:
         """The ``counters`` of ``status``, read from the Prometheus counters.
 
-        Names: ``facts_<type>``, ``api_errors_<reason>``, ``peer_refused_<reason>``
-        (TLS refusals), ``peer_connections_refused``, ``peer_rejected_<reason>``
+        Names: ``facts_<type>``, ``repeated_<type>``, ``api_errors_<reason>``,
+        ``peer_refused_<reason>`` (TLS refusals), ``peer_connections_refused``,
+        ``peer_rejected_<reason>``
         (protocol violations), ``records_rejected_<reason>``, ``peer_reconnects``,
         ``rollbacks``, ``spec_conflicts``, ``wal_fsyncs``, ``wal_entries``,
         ``wal_compactions``. Counters still at zero are left out.
@@ -296,6 +303,8 @@ class Telemetry:
 
         for labels, v in _samples(self.facts):
             add(f"facts_{labels['type']}", v)
+        for labels, v in _samples(self.repeated):
+            add(f"repeated_{labels['type']}", v)
         for labels, v in _samples(self.api_errors):
             add(f"api_errors_{labels['reason']}", v)
         for labels, v in _samples(self.records_rejected):

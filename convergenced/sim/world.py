@@ -248,9 +248,12 @@ class Simulation:
             loop.at(node.paused_until, self._submit_later, nid, fact, node.lives)
             return
         try:
-            node.admission.submit(fact)
+            admitted = node.admission.submit(fact)
         except ApiError as err:  # typed refusals are fine; they change nothing
             loop.trace(f"refused {nid} {type(fact).__name__} {err.reason}")
+            return
+        if admitted.repeat:  # held already: acknowledged, nothing applied
+            loop.trace(f"repeat {nid} {type(fact).__name__} {getattr(fact, 'epoch', '')}")
             return
         loop.trace(f"apply {nid} {type(fact).__name__} {getattr(fact, 'epoch', '')}")
         self.after_change(nid)

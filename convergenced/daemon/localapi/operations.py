@@ -80,11 +80,14 @@ class LocalOperations:
     def submit(self, fact: Fact) -> dict[str, Any]:
         """Admit, apply and log ``fact``; the reply acknowledges it once durable.
 
+        A fact the node holds already (sent again) is acknowledged the same way, and
+        neither applied, logged nor counted again (`core.admission`).
+
         Raises:
             ApiError: ``rejected``; nothing changed.
         """
         try:
-            result = self.admission.submit(fact)
+            admitted = self.admission.submit(fact)
         except ApiError:
             stream = getattr(fact, "stream", None)
             declared = stream in self.node.streams()
@@ -93,9 +96,12 @@ class LocalOperations:
             if isinstance(fact, Declare):
                 self.hub.view_changed()  # a refused one may leave a notice (NodeCore.refused)
             raise
-        self.telemetry.fact_applied(fact)
-        self.hub.view_changed()
-        return result
+        if admitted.repeat:
+            self.telemetry.fact_repeated(fact)
+        else:
+            self.telemetry.fact_applied(fact)
+            self.hub.view_changed()
+        return admitted.reply
 
     async def durable(self) -> None:
         """Wait until everything applied so far is on disk.
