@@ -4,20 +4,35 @@ The same operations as the blocking `convergenced.client.Client`, as coroutines:
 
     async with AsyncClient.connect() as client:
         await client.commit("job", rank=0, domain="nvme", epoch=120)
+
+It survives daemon restarts as `Client` does (`convergenced.client_protocol` has the
+rules): when the connection ends, a task of the client's nursery connects again with
+backoff until the reconnect bound passes, declares again what the client declared,
+awaits the reconnect hooks if the daemon's incarnation changed, and sends again every
+request still unanswered; calls made meanwhile wait. Time is trio's
+(``trio.current_time``), so tests drive it with ``trio.testing.MockClock``.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from convergenced.client_protocol import (
     MAX_REPLY_BYTES,
+    RETRIED,
     DaemonUnreachable,
+    Outage,
+    Reconnected,
+    closes_for_good,
     default_socket,
+    going_away,
+    reconnect_bound,
     result_of,
     spec_wire,
 )
@@ -28,121 +43,342 @@ from convergenced.core.spec import StreamSpec
 if TYPE_CHECKING:  # trio is only needed by AsyncClient users
     import trio
 
-__all__ = ["AsyncClient"]
+__all__ = ["AsyncClient", "AsyncReconnectHook"]
+
+log = logging.getLogger("convergenced.client")
+
+AsyncReconnectHook = Callable[[Reconnected], Awaitable[None]]
+
+
+@dataclass(eq=False)
+class _Request:
+    op: str
+    args: dict[str, Any]
+    internal: bool
+    """Sent while the connection is restored, by the restoring task: never sent again."""
+    deadline: float | None
+    send: Any  # trio.MemorySendChannel[Any]
+    stream: Any = None
+    """The connection it was last sent on."""
+    lost: str = field(default="")
 
 
 class AsyncClient:
     """The trio client: same operations as `Client`, as coroutines."""
 
-    def __init__(self, stream: trio.SocketStream, nursery: trio.Nursery) -> None:
+    def __init__(self, socket_path: Path, nursery: trio.Nursery, reconnect: float) -> None:
+        """Use `AsyncClient.connect`."""
         import trio
 
         self._trio = trio
-        self._stream = stream
+        self.socket_path = socket_path
+        self.reconnect = reconnect
+        """The reconnect bound, in seconds (0: off)."""
         self._nursery = nursery
         self._ids = itertools.count(1)
-        self._pending: dict[int, trio.MemorySendChannel[Any]] = {}
+        self._requests: dict[int, _Request] = {}
         self._send_lock = trio.Lock()
+        self._stream: trio.SocketStream | None = None
+        self._restoring = False
+        self._restorer: Any = None
+        """The task restoring the connection: it alone may send meanwhile."""
+        self._changed = trio.Event()
+        """Set (and replaced) whenever the connection comes, goes or is given up."""
         self._lost: str | None = None
+        """Why there is no connection, once given up (None: connected or trying)."""
+        self._final = False
+        self._outages = 0
+        self._declared: dict[str, Any] = {}
+        self._hooks: list[AsyncReconnectHook] = []
+        self._incarnation: int | None = None
 
     @staticmethod
     @asynccontextmanager
-    async def connect(socket_path: Path | str | None = None) -> AsyncIterator[AsyncClient]:
+    async def connect(
+        socket_path: Path | str | None = None, *, reconnect: float | None = None
+    ) -> AsyncIterator[AsyncClient]:
         """Connect; the client lives inside the ``async with`` block.
+
+        Args:
+            socket_path: the daemon's socket (default: `default_socket`).
+            reconnect: seconds to keep trying to connect again once the connection
+                ended (default ``$CONVERGENCED_RECONNECT_S``, else 60; 0: never). The
+                first connection is tried once.
 
         Raises:
             DaemonUnreachable: nothing listens there, or access is denied.
+            ValueError: ``reconnect`` is not a number of seconds >= 0.
         """
         import trio
 
         path = Path(socket_path) if socket_path else default_socket()
-        try:
-            stream = await trio.open_unix_socket(str(path))
-        except OSError as exc:
-            raise DaemonUnreachable(f"cannot reach the daemon at {path}: {exc}") from None
+        bound = reconnect_bound(reconnect)
+        stream = await AsyncClient._open_stream(path)
+        raised: BaseException | None = None
         async with trio.open_nursery() as nursery:
-            client = AsyncClient(stream, nursery)
-            nursery.start_soon(client._read_loop)
+            client = AsyncClient(path, nursery, bound)
+            client._attach(stream)
             try:
                 yield client
+            except BaseException as exc:
+                raised = exc  # raised again as it is, not in the nursery's group
             finally:
+                client._final = True
+                # Shielded: a Cancelled from the cancelled nursery would replace (and
+                # so swallow) an exception raised in the block.
+                with trio.CancelScope(shield=True):
+                    if client._stream is not None:
+                        await client._stream.aclose()
                 nursery.cancel_scope.cancel()
-                await stream.aclose()
+        if raised is not None:
+            raise raised
 
-    async def _read_loop(self) -> None:
+    @staticmethod
+    async def _open_stream(path: Path) -> trio.SocketStream:
+        import trio
+
+        try:
+            return await trio.open_unix_socket(str(path))
+        except OSError as exc:
+            raise DaemonUnreachable(f"cannot reach the daemon at {path}: {exc}") from None
+
+    def _attach(self, stream: trio.SocketStream) -> None:
+        self._stream = stream
+        self._nursery.start_soon(self._read_loop, stream)
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = self._trio.Event()
+
+    # -- the connection -------------------------------------------------------------------
+
+    async def _read_loop(self, stream: trio.SocketStream) -> None:
         trio = self._trio
         reader = codec.FrameReader(MAX_REPLY_BYTES)
         why = "the daemon closed the connection"
+        told: ApiError | None = None
         try:
             while True:
-                data = await self._stream.receive_some(65536)
+                data = await stream.receive_some(65536)
                 if not data:
                     break
                 for reply in reader.feed(data):
                     if not isinstance(reply, Mapping):
                         raise ApiError(ErrorKind.INTERNAL, "bad_reply", f"not a map: {reply!r}")
                     rid = reply.get("id")
-                    ch = self._pending.get(rid) if isinstance(rid, int) else None
-                    if ch is not None:
-                        # Watches may outpace their reader; the daemon bounds it too.
-                        await ch.send(reply)
-                    elif rid is None and "error" in reply:
-                        why = str(codec.error_from_wire(reply["error"]))
+                    if rid is None and "error" in reply:
+                        told = codec.error_from_wire(reply["error"])
+                        why = str(told)
+                    elif isinstance(rid, int):
+                        await self._deliver(rid, reply)
         except (trio.BrokenResourceError, trio.ClosedResourceError, ApiError) as exc:
-            why = f"connection lost: {exc}"
-        self._lost = why
-        for ch in list(self._pending.values()):
-            ch.close()
+            if told is None:
+                why = f"connection lost: {exc}"
+        finally:
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+        self._connection_lost(stream, why, told)
 
-    async def _open(self, op: str, args: dict[str, Any]) -> tuple[int, Any]:
+    def _retried(self, req: _Request) -> bool:
+        return self.reconnect > 0 and not req.internal and req.op in RETRIED
+
+    async def _deliver(self, rid: int, reply: Mapping[str, Any]) -> None:
+        req = self._requests.get(rid)
+        if req is None:
+            return
+        if "event" not in reply:
+            if going_away(reply) and self._retried(req):
+                return  # answered by the daemon's next life
+            del self._requests[rid]
+        # Watches may outpace their reader; the daemon bounds it too. A closed channel:
+        # nobody waits for the reply any more.
+        with suppress(self._trio.BrokenResourceError, self._trio.ClosedResourceError):
+            await req.send.send(reply)
+
+    def _fail(self, rid: int, req: _Request, why: str) -> None:
+        self._requests.pop(rid, None)
+        req.lost = why
+        req.send.close()
+
+    def _connection_lost(self, stream: Any, why: str, told: ApiError | None) -> None:
+        fatal = self.reconnect <= 0 or (told is not None and closes_for_good(told))
+        for rid, req in list(self._requests.items()):
+            if req.stream is stream and (fatal or not self._retried(req)):
+                self._fail(rid, req, why)
+        if self._stream is not stream:
+            return
+        self._stream = None
+        self._final = self._final or fatal
+        if self._restoring:
+            return  # the restoring task sees its own request fail
+        if self._final:
+            self._give_up(why)
+            return
+        self._outages += 1
+        self._nursery.start_soon(self._reconnect, why)
+        self._notify()
+
+    def _give_up(self, why: str) -> None:
+        self._lost = why
+        for rid, req in list(self._requests.items()):
+            self._fail(rid, req, why)
+        self._notify()
+
+    async def _reconnect(self, why: str) -> None:
         trio = self._trio
-        if self._lost is not None:
-            raise DaemonUnreachable(self._lost)
-        rid = next(self._ids)
-        send, recv = trio.open_memory_channel[Any](64)
-        self._pending[rid] = send
+        outage = Outage(self.reconnect, trio.current_time(), why)
+        log.warning(
+            "lost the connection to the daemon at %s (%s); reconnecting for up to %g s",
+            self.socket_path,
+            why,
+            self.reconnect,
+        )
+        while True:
+            try:
+                await self._restore(outage)
+                return
+            except (DaemonUnreachable, ApiError) as exc:
+                pause = outage.failed(str(exc), trio.current_time())
+            if pause is None or self._final:
+                message = outage.give_up(self.socket_path, trio.current_time())
+                log.error("%s", message)
+                self._give_up(message)
+                return
+            await trio.sleep(pause)
+
+    async def _restore(self, outage: Outage) -> None:
+        stream = await self._open_stream(self.socket_path)
+        self._restoring, self._restorer = True, self._trio.lowlevel.current_task()
+        self._attach(stream)
+        try:
+            incarnation = (await self.call("status")).get("incarnation")
+            for name, spec in list(self._declared.items()):
+                try:
+                    await self.call("declare", spec=spec)
+                except ApiError as exc:
+                    log.warning("stream %r cannot be declared again: %s", name, exc)
+                    self._declared.pop(name, None)
+            if incarnation != self._incarnation:
+                after = self._trio.current_time() - outage.started
+                info = Reconnected(self._incarnation, incarnation, after)
+                for hook in list(self._hooks):
+                    try:
+                        await hook(info)
+                    except DaemonUnreachable:
+                        raise
+                    except Exception:
+                        log.exception("a reconnect hook failed")
+                self._incarnation = incarnation
+            if self._stream is not stream:
+                raise DaemonUnreachable("the connection ended while it was restored")
+        except BaseException:
+            self._restoring, self._restorer = False, None
+            if self._stream is stream:
+                self._stream = None
+            with self._trio.CancelScope(shield=True):
+                await stream.aclose()
+            raise
+        self._restoring, self._restorer = False, None
+        for rid, req in list(self._requests.items()):
+            if req.stream is not stream:
+                await self._transmit(rid, req, stream)
+        self._notify()
+        log.warning(
+            "reconnected to the daemon at %s after %.1f s (incarnation %s)",
+            self.socket_path,
+            self._trio.current_time() - outage.started,
+            incarnation,
+        )
+
+    async def _transmit(self, rid: int, req: _Request, stream: Any) -> None:
+        args = req.args
+        if req.deadline is not None and req.stream is not None:  # sent before: time left
+            args = {**args, "timeout": max(0.0, req.deadline - self._trio.current_time())}
+        req.stream = stream
+        frame = codec.encode_frame(codec.request(rid, req.op, **args))
         try:
             async with self._send_lock:
-                await self._stream.send_all(codec.encode_frame(codec.request(rid, op, **args)))
-        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            del self._pending[rid]
-            raise DaemonUnreachable(f"cannot send to the daemon: {exc}") from None
-        return rid, recv
+                await stream.send_all(frame)
+        except (self._trio.BrokenResourceError, self._trio.ClosedResourceError):
+            pass  # the reader sees the connection end
 
-    async def _next(self, recv: Any) -> Any:
+    async def _ready(self) -> bool:
+        """Wait for a connection; whether this is the restoring task's own request."""
+        waited_through: int | None = None
+        while True:
+            if self._stream is not None:
+                if not self._restoring:
+                    return False
+                if self._restorer is self._trio.lowlevel.current_task():
+                    return True  # the restoring task's own request
+            elif self._lost is not None:
+                if self._final or waited_through == self._outages:
+                    raise DaemonUnreachable(self._lost)
+                self._lost = None
+                self._outages += 1
+                self._nursery.start_soon(self._reconnect, "the last reconnect gave up")
+            waited_through = self._outages
+            await self._changed.wait()
+
+    async def _open(self, op: str, args: dict[str, Any]) -> tuple[int, _Request, Any]:
+        trio = self._trio
+        internal = await self._ready()
+        deadline = None
+        timeout = args.get("timeout") if op in ("wait", "restore_point") else None
+        if isinstance(timeout, int | float) and not isinstance(timeout, bool):
+            deadline = trio.current_time() + timeout
+        send, recv = trio.open_memory_channel[Any](64)
+        rid = next(self._ids)
+        req = _Request(op, args, internal, deadline, send)
+        self._requests[rid] = req
+        await self._transmit(rid, req, self._stream)
+        return rid, req, recv
+
+    async def _next(self, req: _Request, recv: Any) -> Any:
         try:
             return await recv.receive()
         except self._trio.EndOfChannel:
-            raise DaemonUnreachable(self._lost or "connection lost") from None
+            raise DaemonUnreachable(req.lost or self._lost or "connection lost") from None
 
     async def call(self, op: str, **args: Any) -> Any:
         """Send one request and return its result (raises `ApiError` on an error reply).
 
         Cancelling the calling task cancels the request on the daemon too, so an
         abandoned `wait` does not keep holding one of the connection's request slots.
+
+        Raises:
+            ApiError: the daemon refused the request.
+            DaemonUnreachable: no connection, and none again within the reconnect bound.
         """
-        rid, recv = await self._open(op, args)
+        rid, req, recv = await self._open(op, args)
         answered = False
         try:
-            reply = await self._next(recv)
+            reply = await self._next(req, recv)
             answered = True
             return result_of(reply)
         finally:
-            self._pending.pop(rid, None)
+            self._requests.pop(rid, None)
             if not answered:
-                await self._send_cancel(rid)
+                await self._send_cancel(rid, req)
 
-    async def _send_cancel(self, rid: int) -> None:
+    async def _send_cancel(self, rid: int, req: _Request) -> None:
         # Fire and forget: the reply to the cancel has no taker.
-        if self._lost is not None:
+        stream = self._stream
+        if stream is None or req.stream is not stream:
             return
         frame = codec.encode_frame(codec.request(next(self._ids), "cancel", target=rid))
         with self._trio.CancelScope(shield=True):
             try:
                 async with self._send_lock:
-                    await self._stream.send_all(frame)
+                    await stream.send_all(frame)
             except (self._trio.BrokenResourceError, self._trio.ClosedResourceError):
                 pass
+
+    def add_reconnect_hook(self, hook: AsyncReconnectHook) -> None:
+        """Await ``hook`` after each reconnect to a daemon of another incarnation,
+        before the unanswered requests are sent again and before any other call goes
+        through (see `Client.add_reconnect_hook`)."""
+        self._hooks.append(hook)
 
     async def status(self) -> dict[str, Any]:
         """See `Client.status`."""
@@ -153,8 +389,11 @@ class AsyncClient:
         return list(await self.call("streams"))
 
     async def declare(self, spec: StreamSpec | Mapping[str, Any]) -> dict[str, Any]:
-        """See `Client.declare`."""
-        return dict(await self.call("declare", spec=spec_wire(spec)))
+        """See `Client.declare` (declared again after a reconnect)."""
+        wire = spec_wire(spec)
+        result = dict(await self.call("declare", spec=wire))
+        self._declared[str(result.get("stream", wire.get("name")))] = wire
+        return result
 
     async def commit(
         self, stream: str, rank: int, domain: str, epoch: int, *, digest: str = "", size: int = 0
@@ -205,25 +444,34 @@ class AsyncClient:
         async with client.watch("job") as events:
             async for state in events:
                 ...
+
+        After a reconnect the watch is subscribed again; an event equal to the last one
+        is skipped.
         """
-        rid, recv = await self._open("watch", {"stream": stream})
+        rid, req, recv = await self._open("watch", {"stream": stream})
         try:
-            yield _Events(self, recv)
+            yield _Events(self, req, recv)
         finally:
-            self._pending.pop(rid, None)
-            await self._send_cancel(rid)
+            self._requests.pop(rid, None)
+            await self._send_cancel(rid, req)
 
 
 class _Events:
     """The events of one `AsyncClient.watch` (an async iterator, not a generator, so
     nothing is left to finalize when a loop stops early)."""
 
-    def __init__(self, client: AsyncClient, recv: Any) -> None:
+    def __init__(self, client: AsyncClient, req: _Request, recv: Any) -> None:
         self._client = client
+        self._req = req
         self._recv = recv
+        self._last: dict[str, Any] | None = None
 
     def __aiter__(self) -> _Events:
         return self
 
     async def __anext__(self) -> dict[str, Any]:
-        return dict(result_of(await self._client._next(self._recv)))
+        while True:
+            event = dict(result_of(await self._client._next(self._req, self._recv)))
+            if event != self._last:
+                self._last = event
+                return event
