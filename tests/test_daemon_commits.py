@@ -8,11 +8,14 @@ sockets, the blocking client.
 from __future__ import annotations
 
 import signal
+import urllib.request
 from typing import Any
 
+import pytest
 from daemons import LocalCluster, until
 
 from convergenced.client import Client
+from convergenced.core.local_api_codec import ApiError
 
 
 def _digest(epoch: int) -> str:
@@ -53,3 +56,33 @@ def test_commits_sent_again_after_kill_9_and_compaction_are_acknowledged_once() 
         after = c.state("job")
         for key in ("recoverable", "restore_point", "high_water", "newest"):
             assert after[key] == before[key], key
+
+
+def test_commits_in_65_domains_never_cut_a_link() -> None:
+    # A record of more than MAX_DOMAINS (64) newest entries is refused by every peer,
+    # which closes the link on it: a commit to a domain the policy does not name is
+    # refused instead, so the node's record names the policy's domains only.
+    with LocalCluster(2) as cluster:
+        cluster.start_all()
+        c1, c2 = cluster.client(1), cluster.client(2)
+        for c in (c1, c2):
+            c.declare(cluster.spec())
+        for d in [f"tier{i}" for i in range(65)]:
+            with pytest.raises(ApiError) as info:
+                c1.commit("job", 0, d, 1)
+            assert info.value.reason == "unknown_domain"
+        c1.commit("job", 0, "nvme", 1)
+        c2.commit("job", 1, "nvme", 1)
+        until(lambda: c2.state("job")["restore_point"] == 1, what="restore point on node-2")
+        until(lambda: c1.state("job")["restore_point"] == 1, what="restore point on node-1")
+        assert set(c2.state("job")["newest"]["node-1"]) == {"nvme"}
+        for c in (c1, c2):
+            counters = c.status()["counters"]
+            assert not [k for k in counters if k.startswith(("peer_rejected", "records_rejected"))]
+            assert "peer_reconnects" not in counters
+        assert c1.status()["counters"]["api_errors_unknown_domain"] == 65
+        url = f"http://127.0.0.1:{c1.status()['metrics_port']}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            metrics = resp.read().decode()
+        assert "tier" not in metrics  # labels stay bounded by the declared specs
+        assert 'convergenced_commits_total{domain="other",outcome="rejected"} 65.0' in metrics

@@ -202,7 +202,7 @@ def test_recoverable_set_matches_a_model_of_commits_retracts_and_retires(
         assert set(f.recoverable) == model.recoverable()
         # Checked after every fact: commits take an incremental path, the rest not.
         newest = {}
-        for d in DOMAINS:
+        for d in policy.domains:
             common = set.intersection(*(model.held.get((r, d), set()) for r in RANKS_A))
             if common:
                 newest[d] = max(common)
@@ -319,7 +319,7 @@ def test_invalid_facts_are_refused_with_a_reason(fact: EpochFact, reason: str) -
 
 
 def test_newest_by_domain_is_the_newest_epoch_every_local_rank_holds() -> None:
-    f = facts(Policy.all_of("nvme"))
+    f = facts(Policy.all_of("nvme", "ram"))
     for fact in [
         commit(0, "nvme", 5),
         commit(0, "nvme", 7),
@@ -330,6 +330,16 @@ def test_newest_by_domain_is_the_newest_epoch_every_local_rank_holds() -> None:
     ]:
         f.apply(fact)
     assert f.newest_by_domain() == {"nvme": 5, "ram": 9}
+
+
+def test_newest_by_domain_names_only_the_policy_domains() -> None:
+    # An older log may hold commits to other domains: the record must not carry them
+    # (a peer refuses a record of more than MAX_DOMAINS entries).
+    f = facts(Policy.all_of("nvme"))
+    for d in ("nvme", "ram", *(f"d{i}" for i in range(70))):
+        f.apply(commit(0, d, 1))
+        f.apply(commit(1, d, 1))
+    assert f.newest_by_domain() == {"nvme": 1}
 
 
 def test_newest_by_domain_drops_a_domain_after_its_epochs_are_retracted() -> None:

@@ -12,6 +12,10 @@ copy of them. The rules on top of the core's own checks:
 
 * a declaration may name at most ``max_members`` members, and a node holds at most
   ``max_streams`` streams (both from the configuration's limits);
+* a commit, retraction or retirement names a domain of the stream's policy
+  (``unknown_domain`` otherwise: a typo such as ``nvm`` would add a column to
+  ``state``, a label to the metrics and an entry to the record, which peers refuse
+  past `limits.MAX_DOMAINS`; see `limits`);
 * a retirement records a deletion the daemon allowed: an epoch that is not in
   ``safe_to_delete`` is refused (deleting anything else is a loss, which a
   retraction reports, and which may roll the restore point back);
@@ -30,11 +34,12 @@ from convergenced.core.commits import Verdict
 from convergenced.core.errors import FactError, SpecConflictError, SpecError
 from convergenced.core.facts import Commit, Declare, Fact, Incarnation, Retire, Retract
 from convergenced.core.gate import OutputGate
+from convergenced.core.limits import MAX_MEMBERS
 from convergenced.core.local_api_codec import ApiError, ErrorKind
 from convergenced.core.node import NodeCore
 
 DEFAULT_MAX_STREAMS = 1024
-DEFAULT_MAX_MEMBERS = 4096
+DEFAULT_MAX_MEMBERS = MAX_MEMBERS
 
 
 def rejected(exc: Exception) -> ApiError:
@@ -121,6 +126,20 @@ class Admission:
         except FactError as exc:
             raise rejected(exc) from None
 
+    def _named_domain(self, fact: Commit | Retract | Retire) -> None:
+        """Refuse a fact about a domain the stream's policy does not name: it could
+        never count, and each one would add a column to ``state`` and a label to the
+        metrics, and past `limits.MAX_DOMAINS` an entry in the record peers refuse."""
+        self.known(fact.stream)
+        domains = self.node.spec(fact.stream).policy.domains
+        if fact.domain not in domains:
+            raise ApiError(
+                ErrorKind.REJECTED,
+                "unknown_domain",
+                f"stream {fact.stream!r}: the policy names no domain {fact.domain!r} "
+                f"(it names {', '.join(domains)})",
+            )
+
     def _admit(self, fact: Fact) -> None:
         if isinstance(fact, Declare):
             name = fact.spec.name
@@ -140,12 +159,12 @@ class Admission:
                     f"stream {name!r}: this node already holds {self.max_streams} streams "
                     "(limits.max_streams)",
                 )
-        elif isinstance(fact, Retire):
-            self.known(fact.stream)
-            if fact.epoch not in self.node.safe_to_delete(fact.stream):
-                raise ApiError(
-                    ErrorKind.REJECTED,
-                    "not_safe_to_delete",
-                    f"stream {fact.stream!r}: epoch {fact.epoch} is not safe to delete yet "
-                    "(see safe_to_delete in state); if its data is already gone, retract it",
-                )
+        elif isinstance(fact, Commit | Retract | Retire):
+            self._named_domain(fact)
+        if isinstance(fact, Retire) and fact.epoch not in self.node.safe_to_delete(fact.stream):
+            raise ApiError(
+                ErrorKind.REJECTED,
+                "not_safe_to_delete",
+                f"stream {fact.stream!r}: epoch {fact.epoch} is not safe to delete yet "
+                "(see safe_to_delete in state); if its data is already gone, retract it",
+            )

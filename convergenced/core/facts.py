@@ -395,8 +395,14 @@ class StreamFacts:
     # -- derived state -------------------------------------------------------
 
     def newest_by_domain(self) -> dict[str, int]:
-        """Per domain, the newest epoch that every local rank holds there."""
-        return dict(self._newest)
+        """Per domain of the policy, the newest epoch that every local rank holds there.
+
+        What the record publishes and ``state`` shows. Only the policy's domains, so it
+        never holds more than `limits.MAX_POLICY_DOMAINS` entries: the local API refuses
+        commits elsewhere, but a log written before it did may still hold some.
+        """
+        domains = self.spec.policy.domains
+        return {d: e for d, e in self._newest.items() if d in domains}
 
     def _recompute_newest(self, domain: str) -> None:
         common = IntervalSet.intersect_all(

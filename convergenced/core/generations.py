@@ -46,7 +46,7 @@ from enum import Enum
 
 from convergenced.core.errors import FactError
 from convergenced.core.interval_set import IntervalSet
-from convergenced.core.records import MAX_GENERATIONS
+from convergenced.core.limits import MAX_GENERATIONS
 
 
 class GenerationState(Enum):

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
-MAX_EPOCH = 2**63 - 1
+from convergenced.core.limits import MAX_INT
+
+MAX_EPOCH = MAX_INT
 """Epochs are non-negative and fit a signed 64-bit integer (msgpack int64)."""
 
 

@@ -40,16 +40,16 @@ from typing import Any
 from convergenced.core.errors import RemoteProtocolError, SpecError
 from convergenced.core.facts import Commit, Declare, Retire, Retract
 from convergenced.core.interval_set import IntervalSet
+from convergenced.core.limits import MAX_DIGEST_CHARS, MAX_RANKS_PER_MEMBER
 from convergenced.core.node import GenerationAnswer, StreamStatus
 from convergenced.core.packing import UnpackError, UnpackLimits, pack, unpack_strict
-from convergenced.core.spec import MAX_RANKS_PER_MEMBER, StreamSpec
+from convergenced.core.spec import StreamSpec
 from convergenced.core.validate import INT64_MAX, as_int, as_map, as_name, as_str
 from convergenced.errors import ConvergencedError
 
 LENGTH = struct.Struct(">I")
 DEFAULT_MAX_FRAME = 1 << 20
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
-MAX_DIGEST_CHARS = 256
 
 
 class ErrorKind(StrEnum):

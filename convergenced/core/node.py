@@ -58,8 +58,9 @@ from convergenced.core.generations import (
     resolve,
 )
 from convergenced.core.interval_set import IntervalSet
+from convergenced.core.limits import MAX_RANGES
 from convergenced.core.lives import EarlierLives, PastLives
-from convergenced.core.records import MAX_RANGES, Record, View
+from convergenced.core.records import Record, View
 from convergenced.core.spec import StreamSpec
 from convergenced.core.status import StreamStatus, describe
 from convergenced.core.stream_state import StreamState

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from convergenced.core.interval_set import IntervalSet
+from convergenced.core.limits import MAX_DOMAINS, MAX_GENERATIONS, MAX_NAME_CHARS, MAX_RANGES
 from convergenced.core.packing import pack
 from convergenced.core.validate import (
     NAME_RE,
@@ -39,10 +40,6 @@ from convergenced.core.validate import (
 RecordKey = tuple[str, str]
 """(stream, origin)."""
 
-MAX_RANGES = 4096
-"""Ranges in one interval set on the wire (GC keeps real sets far smaller)."""
-MAX_DOMAINS = 64
-MAX_GENERATIONS = 16
 SIGNATURE_LEN = 64
 DIGEST_LEN = 16
 SPEC_DIGEST_LEN = 32
@@ -206,7 +203,7 @@ def _name_ok(value: Any) -> bool:
         return False
     if value in _GOOD_NAMES:
         return True
-    if len(value) > 128 or not NAME_RE.match(value):
+    if len(value) > MAX_NAME_CHARS or not NAME_RE.match(value):
         return False
     if len(_GOOD_NAMES) >= 65_536:  # bounded: names repeat, garbage must not pile up
         _GOOD_NAMES.clear()

@@ -16,12 +16,9 @@ from enum import Enum
 from typing import Any
 
 from convergenced.core.errors import SpecError
+from convergenced.core.limits import MAX_MEMBERS, MAX_POLICY_DOMAINS, MAX_RANKS_PER_MEMBER
 from convergenced.core.packing import pack
 from convergenced.core.validate import INT64_MAX, NAME_RE
-
-MAX_MEMBERS = 4096
-MAX_RANKS_PER_MEMBER = 4096
-MAX_POLICY_DOMAINS = 16
 
 
 class PolicyMode(Enum):

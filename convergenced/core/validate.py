@@ -12,9 +12,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from convergenced.core.errors import RemoteProtocolError
+from convergenced.core.limits import MAX_INT, MAX_NAME_CHARS
 
-INT64_MAX = 2**63 - 1
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}\Z")
+INT64_MAX = MAX_INT
+NAME_RE = re.compile(rf"^[A-Za-z0-9][A-Za-z0-9._/-]{{0,{MAX_NAME_CHARS - 1}}}\Z")
 """Node ids, stream names and domain names: printable, no spaces, 1-128 chars.
 
 Anchored with ``\\Z``, not ``$``: ``$`` also matches before a trailing newline, which
@@ -69,7 +70,7 @@ def as_str(value: Any, path: str, *, max_len: int = 1024) -> str:
 
 def as_name(value: Any, path: str) -> str:
     """A node id, stream or domain name (see `NAME_RE`)."""
-    s = as_str(value, path, max_len=128)
+    s = as_str(value, path, max_len=MAX_NAME_CHARS)
     if not NAME_RE.match(s):
         raise fail(path, f"{s!r} is not a valid name")
     return s

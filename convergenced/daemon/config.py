@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from convergenced.core.limits import MAX_MEMBERS
 from convergenced.core.validate import NAME_RE
 from convergenced.errors import ConfigError
 from convergenced.security.trust import parse_trust_list
@@ -47,7 +48,7 @@ class Limits:
     max_frame_bytes: int = 1 << 20
     max_records_per_message: int = 4096
     max_streams: int = 1024
-    max_members: int = 4096
+    max_members: int = MAX_MEMBERS
     """Members of one stream (a declaration with more is refused)."""
     max_connections: int = 256
     max_clients: int = 1024
@@ -374,7 +375,7 @@ class _Validator:
             max_frame_bytes=num("max_frame_bytes", 4096, 64 << 20),
             max_records_per_message=num("max_records_per_message", 1, 1 << 20),
             max_streams=num("max_streams", 1, 1 << 20),
-            max_members=num("max_members", 1, 4096),
+            max_members=num("max_members", 1, MAX_MEMBERS),
             max_connections=num("max_connections", 1, 1 << 16),
             max_clients=num("max_clients", 1, 1 << 16),
             client_queue=num("client_queue", 1, 1 << 20),
