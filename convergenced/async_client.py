@@ -395,6 +395,12 @@ class AsyncClient:
         self._declared[str(result.get("stream", wire.get("name")))] = wire
         return result
 
+    async def undeclare(self, stream: str) -> dict[str, Any]:
+        """See `Client.undeclare` (not declared again after a reconnect)."""
+        result = dict(await self.call("undeclare", stream=stream))
+        self._declared.pop(stream, None)
+        return result
+
     async def commit(
         self, stream: str, rank: int, domain: str, epoch: int, *, digest: str = "", size: int = 0
     ) -> dict[str, Any]:

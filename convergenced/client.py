@@ -158,6 +158,14 @@ class Client:
         self._connection.declared(str(result.get("stream", wire.get("name"))), wire)
         return result
 
+    def undeclare(self, stream: str) -> dict[str, Any]:
+        """Remove ``stream`` from this node: it forgets the stream's facts and tells the
+        other members it holds nothing of it (their restore point goes until they
+        undeclare it too); returns once durable. The name may be declared again."""
+        result = dict(self.call("undeclare", stream=stream))
+        self._connection.undeclared(stream)
+        return result
+
     def commit(
         self, stream: str, rank: int, domain: str, epoch: int, *, digest: str = "", size: int = 0
     ) -> dict[str, Any]:

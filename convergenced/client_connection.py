@@ -412,6 +412,11 @@ class Connection:
         with self._cond:
             self._declared[name] = spec
 
+    def undeclared(self, name: str) -> None:
+        """Forget a spec: the stream was undeclared, a reconnect must not declare it."""
+        with self._cond:
+            self._declared.pop(name, None)
+
     def add_hook(self, hook: ReconnectHook) -> None:
         """See `convergenced.client.Client.add_reconnect_hook`."""
         with self._cond:

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from convergenced.core import local_api_codec as codec
-from convergenced.core.facts import Commit, Declare, Retire, Retract
+from convergenced.core.facts import Commit, Declare, Retire, Retract, Undeclare
 from convergenced.core.local_api_codec import ApiError, ErrorKind
 from convergenced.core.spec import Policy, StreamSpec
 
@@ -93,6 +93,7 @@ def test_every_operation_parses_into_typed_arguments() -> None:
         Retire("job", 1, "nvme", 5)
     )
     assert _parse("declare", spec=SPEC.to_wire()).args["fact"] == Declare(SPEC)
+    assert _parse("undeclare", stream="job").args["fact"] == Undeclare("job")
     assert _parse("wait", stream="job", epoch=3, timeout=1.5).args == {
         "stream": "job",
         "epoch": 3,
@@ -107,6 +108,7 @@ def test_every_operation_parses_into_typed_arguments() -> None:
         "status",
         "streams",
         "declare",
+        "undeclare",
         "commit",
         "retract",
         "retire",

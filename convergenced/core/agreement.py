@@ -33,7 +33,7 @@ from enum import IntEnum
 
 from convergenced.core.aggregate import MemberAggregate, Summary
 from convergenced.core.interval_set import IntervalSet
-from convergenced.core.records import Record
+from convergenced.core.records import UNDECLARED, Record
 from convergenced.core.spec import StreamSpec
 
 
@@ -92,6 +92,10 @@ class StreamAgreement:
         origin = record.origin
         if origin not in self.members or origin == self.me:
             return None
+        if record.spec_digest == UNDECLARED:
+            # The member undeclared the stream: it holds nothing (`declarations`).
+            self.conflicts.pop(origin, None)
+            return Summary.of_member(IntervalSet(), None, None, None)
         if record.spec_digest != self.digest:
             if origin not in self.conflicts:
                 conflicts.append(record)

@@ -39,6 +39,14 @@ class Declare:
 
 
 @dataclass(frozen=True, slots=True)
+class Undeclare:
+    """The job removed ``stream`` from this node: its facts are forgotten, and the
+    node tells the other members it holds nothing of it any more (PROTOCOL.md 7.4)."""
+
+    stream: str
+
+
+@dataclass(frozen=True, slots=True)
 class Commit:
     """Rank ``rank`` made ``epoch`` durable in ``domain``."""
 
@@ -166,6 +174,7 @@ class Incarnation:
 
 Fact = (
     Declare
+    | Undeclare
     | Commit
     | Retract
     | Retire

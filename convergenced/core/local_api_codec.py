@@ -38,7 +38,7 @@ from enum import StrEnum
 from typing import Any
 
 from convergenced.core.errors import RemoteProtocolError, SpecError
-from convergenced.core.facts import Commit, Declare, Retire, Retract
+from convergenced.core.facts import Commit, Declare, Retire, Retract, Undeclare
 from convergenced.core.interval_set import IntervalSet
 from convergenced.core.limits import MAX_DIGEST_CHARS, MAX_RANKS_PER_MEMBER
 from convergenced.core.node import GenerationAnswer, StreamStatus
@@ -340,6 +340,10 @@ def _declare(a: Mapping[Any, Any], p: str) -> dict[str, Any]:
         raise bad_request(f"{p}.{exc}", "bad_spec") from None
 
 
+def _undeclare(a: Mapping[Any, Any], p: str) -> dict[str, Any]:
+    return {"fact": Undeclare(as_name(a.get("stream"), f"{p}.stream"))}
+
+
 def _wait(a: Mapping[Any, Any], p: str) -> dict[str, Any]:
     out = _stream(a, p)
     out["epoch"] = as_int(a.get("epoch"), f"{p}.epoch")
@@ -367,6 +371,7 @@ _OPS: dict[str, tuple[Any, tuple[str, ...]]] = {
     "status": (_none, ()),
     "streams": (_none, ()),
     "declare": (_declare, ("spec",)),
+    "undeclare": (_undeclare, ("stream",)),
     "commit": (_epoch_fact(Commit), ("stream", "rank", "domain", "epoch", "digest", "size")),
     "retract": (_epoch_fact(Retract), ("stream", "rank", "domain", "epoch")),
     "retire": (_epoch_fact(Retire), ("stream", "rank", "domain", "epoch")),

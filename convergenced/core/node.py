@@ -51,6 +51,7 @@ from convergenced.core.facts import (
     RankState,
     Retire,
     Retract,
+    Undeclare,
 )
 from convergenced.core.generations import (
     GenerationAnswer,
@@ -109,6 +110,7 @@ class NodeCore(Declarations, EarlierLives):
         self._verify = verify
         self.view = View()
         self._streams: dict[str, StreamState] = {}
+        self._generation_floors: dict[str, int] = {}
         self._version = 0
         self._pending_facts: list[Fact] = []
         self._events: deque[NodeEvent] = deque()
@@ -164,7 +166,12 @@ class NodeCore(Declarations, EarlierLives):
             return
         if isinstance(fact, Incarnation):
             raise FactError("incarnations are the node's own facts", reason="not_a_client_fact")
+        if isinstance(fact, Undeclare):
+            self._check_undeclare(fact)
+            return
         st = self._streams.get(fact.stream)
+        if st is None and isinstance(fact, CloseGenerations):
+            return  # the generation floor of a stream undeclared here (compaction)
         if st is None:
             raise UnknownStreamError(fact.stream)
         if isinstance(fact, Commit | Retract | Retire):
@@ -191,7 +198,9 @@ class NodeCore(Declarations, EarlierLives):
         Raises:
             FactError, SpecError, SpecConflictError: refused; nothing changed.
         """
-        self._refresh(self._apply(fact))
+        name = self._apply(fact)
+        if name in self._streams:  # not after an undeclaration
+            self._refresh(name)
 
     def replay(self, facts: Iterable[Fact]) -> None:
         """Rebuild state from the write-ahead log after a restart.
@@ -202,9 +211,12 @@ class NodeCore(Declarations, EarlierLives):
         """
         touched: set[str] = set()
         for fact in facts:
-            if not isinstance(fact, Incarnation):  # the caller started us above them
-                touched.add(self._apply(fact))
-        for name in sorted(touched):
+            if isinstance(fact, Incarnation):
+                continue  # the caller started us above them
+            if isinstance(fact, Undeclare) and fact.stream not in self._streams:
+                continue  # undeclared twice (a client's retry before the restart)
+            touched.add(self._apply(fact))
+        for name in sorted(touched & set(self._streams)):
             self._refresh(name)
 
     def _apply(self, fact: Fact) -> str:
@@ -217,6 +229,12 @@ class NodeCore(Declarations, EarlierLives):
                     self._adopt(st)
             return fact.spec.name
         assert not isinstance(fact, Incarnation)
+        if isinstance(fact, Undeclare):
+            self._undeclare(fact)
+            return fact.stream
+        if isinstance(fact, CloseGenerations) and fact.stream not in self._streams:
+            self.close_undeclared(fact.stream, fact.below)
+            return fact.stream
         st = self._streams[fact.stream]
         if isinstance(fact, Commit | Retract | Retire):
             st.facts.apply(fact)
@@ -269,7 +287,8 @@ class NodeCore(Declarations, EarlierLives):
 
         Used by log compaction: per stream, the declaration, one `RankState` per
         (rank, domain), the digests and sizes held (as commits), the open frozen sets,
-        the generation closure, and one high-water mark carrying the merged evidence.
+        the generation closure, and one high-water mark carrying the merged evidence;
+        then the generation floor of every stream undeclared here.
         Replaying them gives the same facts, the same refusals (retired epochs stay
         retired), the same repeats and, after a restart, the same protection against
         stale records as replaying the full log.
@@ -292,6 +311,7 @@ class NodeCore(Declarations, EarlierLives):
             if f.high_water is not None:
                 evidence = tuple((m, i, v) for m, (i, v) in sorted(f.evidence.items()))
                 out.append(HighWater(name, f.high_water, evidence))
+        out.extend(CloseGenerations(n, b) for n, b in sorted(self._generation_floors.items()))
         return out
 
     # -- records from peers ---------------------------------------------------

@@ -45,6 +45,12 @@ DIGEST_LEN = 16
 SPEC_DIGEST_LEN = 32
 
 
+UNDECLARED = bytes(32)
+"""The spec digest of a *tombstone*: the record a node publishes when it undeclared
+the stream (no SHA-256 of a spec is 32 zero bytes). Members read it as a member that
+holds nothing; it never blocks a declaration (PROTOCOL.md 7.4)."""
+
+
 @dataclass(slots=True, unsafe_hash=True)
 class Record:
     """One origin's published state for one stream.

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from convergenced.core.agreement import Decision, Knowledge, StreamAgreement
 from convergenced.core.facts import StreamFacts
 from convergenced.core.interval_set import IntervalSet
-from convergenced.core.records import Record
+from convergenced.core.records import UNDECLARED, Record
 from convergenced.core.spec import StreamSpec
 
 
@@ -90,7 +90,7 @@ def describe(
         generations=tuple(g for g, _ in facts.generations.open_sets()),
         why_no_restore_point=None
         if d.restore_point is not None
-        else _why_none(spec, d, agreement, missing, waiting_for),
+        else _why_none(spec, d, agreement, missing, waiting_for=waiting_for, records=records),
     )
 
 
@@ -99,12 +99,17 @@ def _why_none(
     d: Decision,
     agreement: StreamAgreement,
     missing: tuple[str, ...],
+    *,
     waiting_for: tuple[str, ...],
+    records: Mapping[str, Record],
 ) -> str:
     """Why a node has no restore point, in the terms of PROTOCOL.md section 13."""
     if waiting_for:
         return ("this node started without its log: it waits to hear from "
                 f"{', '.join(waiting_for)} what its earlier life published")  # fmt: skip
+    gone = [m for m in spec.member_ids if (r := records.get(m)) and r.spec_digest == UNDECLARED]
+    if gone:
+        return f"undeclared by {', '.join(gone)}: it holds nothing of the stream any more"
     if agreement.conflicts:
         return f"members declared a different spec: {', '.join(sorted(agreement.conflicts))}"
     if missing:

@@ -101,6 +101,9 @@ COMMANDS: dict[str, Command] = {
         lambda c, a: c.declare(a.spec_value),
         lambda r, a: f"declared {r['stream']} (spec {r['digest'][:16]})",
     ),
+    "undeclare": Command(
+        lambda c, a: c.undeclare(a.stream), lambda r, a: f"undeclared {r['stream']}"
+    ),
     "commit": Command(_fact_call("commit"), _format_fact("committed")),
     "retract": Command(_fact_call("retract"), _format_fact("retracted")),
     "retire": Command(_fact_call("retire"), _format_fact("retired")),

@@ -153,6 +153,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("state", "one stream as this node sees it", "Show the state of STREAM.")
     p.add_argument("stream", metavar="STREAM")
     _add_declare(add)
+    p = add(
+        "undeclare",
+        "remove a stream from this node",
+        "Remove STREAM from this node: it forgets the stream's commits, and tells the "
+        "other members it holds nothing of it any more (their restore point goes, as a "
+        "rollback, until they undeclare it too). The ranks' checkpoints of it are then "
+        "the job's to delete. The name may be declared again afterwards, with any spec.",
+    )
+    p.add_argument("stream", metavar="STREAM")
     _add_facts(add)
     p = add(
         "wait",

@@ -15,6 +15,7 @@ first rollback would never fire an alert otherwise.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -24,7 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from convergenced import __version__
 from convergenced.core.errors import ProtocolError
-from convergenced.core.facts import Commit, Declare, Fact, Retract
+from convergenced.core.facts import Commit, Declare, Fact, Retract, Undeclare
 from convergenced.core.node import (
     GenerationResolved,
     NodeEvent,
@@ -143,6 +144,12 @@ class Telemetry:
             self.commits.labels(domain=fact.domain, outcome="accepted").inc()
         elif isinstance(fact, Retract):
             self.retractions.labels(stream=fact.stream).inc()
+        elif isinstance(fact, Undeclare):
+            log.info("stream undeclared", stream=fact.stream)
+            for family in (self.rollbacks, self.retractions, self.spec_conflicts, self.recovery):
+                with contextlib.suppress(KeyError):  # labels stay bounded by declared streams
+                    family.remove(fact.stream)
+            self._restore_point_since.pop(fact.stream, None)
 
     def fact_repeated(self, fact: Fact) -> None:
         """A client sent again a fact the node held already (acknowledged, not applied):

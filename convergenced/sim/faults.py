@@ -19,7 +19,10 @@ fast or slow); every other fault is an event:
 * ``lose_state``: a daemon dies and its state directory is lost (a replaced disk, a
   rescheduled pod): it comes back later from an empty log, with its identity and
   its checkpoints (sometimes without the incarnation floor kept beside its key),
-  and its ranks commit again what they still hold.
+  and its ranks commit again what they still hold;
+* ``undeclare``: the job on one node ends and undeclares the stream; a job of the
+  same name starts there 5-100 ms later and declares it again, finding its
+  checkpoints on disk half the time (it commits them again) and nothing otherwise.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from convergenced.sim.oracle import Truth
 
 FAULTS = (
     "reset", "delay", "clog", "partition", "crash", "pause", "skew", "replay", "retract",
-    "lose_state",
+    "lose_state", "undeclare",
 )  # fmt: skip
 """Every fault the simulator can inject (``--faults all``)."""
 
@@ -51,6 +54,7 @@ RATE_RANGES: dict[str, tuple[float, float]] = {
     "replay": (0.0, 0.5),
     "retract": (0.0, 0.15),
     "lose_state": (0.0, 0.04),
+    "undeclare": (0.0, 0.03),
 }
 """Per fault, the range its rate is drawn from: chance per fault step."""
 FAULT_STEP = 10_000
@@ -76,6 +80,9 @@ class FaultTarget(Protocol):
     def lose_state(self, nid: str, *, floor_too: bool = False) -> None:
         """Kill ``nid``'s daemon and lose its state directory (and, with
         ``floor_too``, the incarnation floor beside its identity key)."""
+
+    def undeclare(self, nid: str, *, keep_checkpoints: bool) -> None:
+        """The job on ``nid`` undeclares the stream; the next one declares it again."""
 
     def submit(self, nid: str, fact: Fact) -> None:
         """A rank of ``nid`` submits ``fact`` to its daemon."""
@@ -235,3 +242,8 @@ class FaultInjector:
         w.submit(nid, Retract(STREAM, rank, domain, epoch))
         if rng.random() < 0.3:
             w.recovery()
+
+    def _undeclare(self) -> None:
+        w = self.world
+        rng = w.loop.rng
+        w.undeclare(rng.choice(w.ids), keep_checkpoints=rng.random() < 0.5)

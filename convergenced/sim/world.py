@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, field
 from functools import partial
 
-from convergenced.core.facts import Commit, Declare, Fact
+from convergenced.core.facts import Commit, Declare, Fact, Undeclare
 from convergenced.core.link import LinkConfig
 from convergenced.core.local_api_codec import ApiError
 from convergenced.core.node import GenerationResolved, RestorePointChanged
@@ -151,6 +151,8 @@ class Simulation:
         self._want: int | None = None
         self._bytes_at_final = 0
         self.closed_below: dict[str, int] = {}
+        self.undeclared: dict[str, bool] = {}
+        """Nodes whose job undeclared the stream, until it is declared again."""
         """Per node, over all its lives: generations below this are closed."""
 
     @property
@@ -385,6 +387,41 @@ class Simulation:
         self.truth.retractions += 1  # a loss: the restore point may move back (S3)
         self.loop.trace(f"fault lose_state {nid}{' and floor' if floor_too else ''}")
 
+    def undeclare(self, nid: str, *, keep_checkpoints: bool) -> None:
+        """The job on ``nid`` ends and undeclares the stream; a job of the same name
+        declares it again later, with its checkpoints or with none."""
+        node = self.nodes[nid]
+        core = node.core
+        if node.admission is None or node.paused_until > self.loop.now or core is None:
+            return
+        if STREAM not in core.streams() or nid in self.undeclared:
+            return
+        try:
+            node.admission.submit(Undeclare(STREAM))
+        except ApiError as err:  # not settled yet after a lost state
+            self.loop.trace(f"refused {nid} Undeclare {err.reason}")
+            return
+        self.loop.trace(f"fault undeclare {nid}{' keeping' if keep_checkpoints else ''}")
+        self.truth.retractions += 1  # the others roll back: its checkpoints may go (S3)
+        self.truth.last_rp.pop(nid, None)  # a new stream of the same name follows
+        self.closed_below[nid] = max(self.closed_below.get(nid, 0),
+                                     core.generations_closed_below(STREAM))  # fmt: skip
+        if not keep_checkpoints:
+            for rank in self.spec.ranks_of(nid):
+                for d in self.domains:
+                    self.truth.available[(rank, d.name)].clear()
+        self.undeclared[nid] = True
+        self.after_change(nid)
+        self.loop.after(self.loop.rng.randint(5_000, 100_000), self._redeclare, nid, node.lives)
+
+    def _redeclare(self, nid: str, life: int) -> None:
+        node = self.nodes[nid]
+        if node.lives != life or not node.up or not self.undeclared.pop(nid, False):
+            return  # down, or restarted meanwhile: `restart` declares it again
+        self._declare(nid)
+        if self.phase == "safety":
+            self.job.recommit(nid)
+
     def restart(self, nid: str) -> None:
         """``nid``'s daemon starts again, from its log, at the next incarnation."""
         node = self.nodes[nid]
@@ -398,9 +435,9 @@ class Simulation:
         assert core is not None
         loop.trace(f"restart {nid} inc {core.incarnation}")
         self._write(nid)  # replay may have produced facts of the core's own
-        if not any(isinstance(f, Declare) for f in node.durable):
+        if STREAM not in core.streams():
             self._declare(nid)  # the job declares again when it reconnects
-            if lost and self.phase == "safety":
+            if (lost or self.undeclared.pop(nid, False)) and self.phase == "safety":
                 self.job.recommit(nid)
         loop.after(loop.rng.randint(0, self.cfg.tick_us), self._tick, nid, node.lives)
         for peer in self.peers[nid]:

@@ -21,6 +21,7 @@ from convergenced.core.facts import (
     RankState,
     Retire,
     Retract,
+    Undeclare,
 )
 from convergenced.core.interval_set import IntervalSet
 from convergenced.core.spec import StreamSpec
@@ -38,6 +39,8 @@ def encode_entry(entry: Entry) -> list[Any]:
         return ["incarnation", entry.number]
     if isinstance(entry, Declare):
         return ["declare", entry.spec.to_wire()]
+    if isinstance(entry, Undeclare):
+        return ["undeclare", entry.stream]
     if isinstance(entry, Commit):
         return [
             "commit",
@@ -84,6 +87,9 @@ def decode_entry(obj: Any) -> Entry:
         if kind == "declare":
             (spec,) = args
             return Declare(StreamSpec.from_wire(spec))
+        if kind == "undeclare":
+            (stream,) = args
+            return Undeclare(stream)
         if kind == "commit":
             stream, rank, domain, epoch, digest, size = args
             return Commit(stream, rank, domain, epoch, digest, size)

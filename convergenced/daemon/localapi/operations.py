@@ -137,13 +137,14 @@ class LocalOperations:
         Raises:
             ApiError: ``timeout`` when it did not within ``timeout`` seconds.
         """
-        self.admission.known(stream)
         with trio.move_on_after(math.inf if timeout is None else timeout):
             while True:
+                self.admission.known(stream)  # again after every change: it may be undeclared
                 rp = self.node.restore_point(stream)
                 if rp is not None and rp >= epoch:
                     return self.state(stream)
                 await self.hub.wait_changed()
+        self.admission.known(stream)
         rp = self.node.restore_point(stream)
         raise ApiError(
             ErrorKind.TIMEOUT,
@@ -181,6 +182,7 @@ class LocalOperations:
                         self.telemetry.recovered(stream, trio.current_time() - started)
                     return codec.generation_to_wire(stream, answer)
                 await self.hub.wait_changed()
+        self.admission.known(stream)
         answer = self.node.generation(stream, generation)
         unheard = self.node.waiting_to_freeze(stream)
         why = (f"this node has not heard from {', '.join(unheard)} since it started"
@@ -262,6 +264,7 @@ def _session(ops: LocalOperations, a: Args, emit: Emit) -> Any:
 
 OPERATIONS: dict[str, Operation] = {
     "declare": Operation(OpKind.FACT, _fact),
+    "undeclare": Operation(OpKind.FACT, _fact),
     "commit": Operation(OpKind.FACT, _fact),
     "retract": Operation(OpKind.FACT, _fact),
     "retire": Operation(OpKind.FACT, _fact),
