@@ -123,6 +123,57 @@ def write_atomic(
     fsync_dir(path.parent)
 
 
+class NotReplaced(OSError):
+    """`replace_open` failed before its rename: the old file is untouched, in place."""
+
+
+def replace_open(path: Path | str, data: bytes) -> int:
+    """Replace ``path`` by ``data`` atomically and return the new file, opened for
+    appending (a log that goes on after a compaction).
+
+    Unlike `write_atomic`, every descriptor it needs (the directory's, the new
+    file's) is opened before the rename, so running out of descriptors (EMFILE) or of
+    space fails with `NotReplaced`, and the old file stays in place and usable. Only
+    the fsync of the directory comes after the rename.
+
+    Raises:
+        NotReplaced: nothing changed (the OSError's errno and message are kept).
+        OSError: the directory's fsync after the rename failed: the name may point
+            to either file after a crash.
+    """
+    path = Path(path)
+    tmp = temp_path(path)
+    try:
+        dir_fd = os.open(path.parent, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
+    except OSError as exc:
+        raise NotReplaced(exc.errno, f"{path.parent}: {exc.strerror}") from exc
+    try:
+        try:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | _O_CLOEXEC
+            fd = os.open(tmp, flags, 0o644)
+        except OSError as exc:
+            raise NotReplaced(exc.errno, f"{tmp}: {exc.strerror}") from exc
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+            os.replace(tmp, path)
+        except OSError as exc:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise NotReplaced(exc.errno, f"{tmp}: {exc.strerror}") from exc
+        try:
+            os.fsync(dir_fd)
+        except OSError:
+            os.close(fd)
+            raise
+        return fd
+    finally:
+        os.close(dir_fd)
+
+
 def _link_new(tmp: Path, path: Path) -> None:
     try:
         os.link(tmp, path)

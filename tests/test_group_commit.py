@@ -7,6 +7,8 @@ A real log file, on a disk that takes 30 ms of trio's virtual time per write
 
 from __future__ import annotations
 
+import os
+import resource
 from pathlib import Path
 
 import pytest
@@ -143,3 +145,37 @@ async def test_a_failed_fsync_poisons_the_log(
     with pytest.raises(LogFailedError):  # never retried: the pages may be gone
         await commits.durable()
     assert len(failures) == 1
+
+
+async def test_a_compaction_without_a_free_descriptor_leaves_the_log_in_use(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    node = NodeCore("n", 1)
+    gate, commits, _ = slow_log(tmp_path, node, DISK_S)
+    gate.apply(Declare(SPEC))
+    for e in range(1, 6):
+        gate.apply(Commit("job", 0, "nvme", e))
+    await commits.durable()
+    gate.apply(Commit("job", 1, "nvme", 1))  # not yet logged when the compaction starts
+    lowest_free = os.open(os.devnull, os.O_RDONLY)
+    os.close(lowest_free)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))  # a real EMFILE
+    try:
+        await commits.compact(lambda: [Incarnation(1), *node.compacted_facts()])
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert commits.failure is None
+    assert commits.telemetry.counters()["wal_compactions_deferred"] == 1
+    gate.apply(Commit("job", 1, "nvme", 2))
+    await commits.durable()  # the old log goes on, with what the compaction took
+    _, entries, _ = FactLog.open(tmp_path / "n.wal")
+    assert entries[-2:] == [Commit("job", 1, "nvme", 1), Commit("job", 1, "nvme", 2)]
+    await commits.compact(lambda: [Incarnation(1), *node.compacted_facts()])  # once it can
+    commits.log.close()
+    _, entries, _ = FactLog.open(tmp_path / "n.wal")
+    again = NodeCore("n", 2)
+    again.replay(e for e in entries if not isinstance(e, Incarnation))
+    assert again.status("job").newest == node.status("job").newest
+    assert commits.telemetry.counters()["wal_compactions"] == 1
+    assert not list(tmp_path.glob(".*.tmp"))

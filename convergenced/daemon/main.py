@@ -273,7 +273,7 @@ class Daemon:
                                     on_log_failure=self._log_failed,
                                     floor=self._floor.read() if self._floor else 0)  # fmt: skip
         # Before any listener: clients get only the descriptors the log, the peers and
-        # the metrics endpoint can spare (a log that meets EMFILE stops the daemon).
+        # the metrics endpoint can spare (a log write that meets EMFILE stops the daemon).
         r.api.max_clients = size_clients(cfg).max_clients
         telemetry.watch(r)
         self._keep_floor(r.node.incarnation)

@@ -105,6 +105,9 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("wal_fsync_duration_seconds", "histogram", (), "write plus fsync of one group commit"),
     _m("wal_entries", "counter", (), "entries made durable in the write-ahead log"),
     _m("wal_compactions", "counter", (), "rewrites of the write-ahead log from the live state"),
+    _m("wal_compactions_deferred", "counter", (),
+       "compactions that could not open or write their new file (EMFILE, ENOSPC): the old "
+       "log goes on, and the next try waits for it to double"),
     _m("wal_bytes", "gauge", (), "size of the write-ahead log"),
 )  # fmt: skip
 """Every metric the daemon exports."""

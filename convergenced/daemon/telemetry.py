@@ -90,6 +90,7 @@ class Telemetry:
         self.bytes = _counter("peer_bytes", r)
         self.wal_entries = _counter("wal_entries", r)
         self.wal_compactions = _counter("wal_compactions", r)
+        self.wal_compactions_deferred = _counter("wal_compactions_deferred", r)
         rtt, fsync, rec = spec("peer_exchange_rtt_seconds"), spec("wal_fsync_duration_seconds"), \
             spec("recovery_seconds")  # fmt: skip
         self.exchange_rtt = Histogram(rtt.name, rtt.help, list(rtt.labels),
@@ -290,6 +291,12 @@ class Telemetry:
         log.info("write-ahead log compacted", bytes_before=before, bytes_after=after,
                  seconds=round(seconds, 3))  # fmt: skip
 
+    def log_compaction_deferred(self, exc: OSError) -> None:
+        """A compaction failed before replacing anything; the old log goes on."""
+        self.wal_compactions_deferred.inc()
+        self.warn("compaction", "write-ahead log not compacted; it goes on as it is and "
+                  "is compacted once it has doubled", reason=str(exc))  # fmt: skip
+
     # -- the status view ------------------------------------------------------------------
 
     def counters(self) -> dict[str, int]:
@@ -328,7 +335,9 @@ class Telemetry:
                               ("spec_conflicts", self.spec_conflicts),
                               ("state_losses", self.state_losses),
                               ("wal_entries", self.wal_entries),
-                              ("wal_compactions", self.wal_compactions)):  # fmt: skip
+                              ("wal_compactions", self.wal_compactions),
+                              ("wal_compactions_deferred",
+                               self.wal_compactions_deferred)):  # fmt: skip
             for _, v in _samples(counter):
                 add(name, v)
         for fam in self.fsync.collect():

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 import trio
 
+from convergenced import fsutil
 from convergenced.core.gate import OutputGate
 from convergenced.daemon.durability.entries import Entry
 from convergenced.daemon.durability.log_file import FactLog
@@ -206,9 +207,20 @@ class GroupCommit:
         started = trio.current_time()
         await self._wait_turn()
         try:
-            _, upto = self.gate.take_unlogged()  # every one of them is in the snapshot
-            self.log.take_pending()
-            await self._run(self.log.replace_durably, list(snapshot()))
+            facts, upto = self.gate.take_unlogged()  # every one of them is in the snapshot
+            for fact in facts:
+                self.log.append(fact)  # for the old log, should the compaction not happen
+            pending = self.log.take_pending()
+            try:
+                await self._run(self.log.replace_durably, list(snapshot()))
+            except fsutil.NotReplaced as exc:
+                # Transient (EMFILE, ENOSPC for the new file): the old log goes on
+                # with what it lacks, and the next try waits for it to double.
+                await self._run(self.log.write_durably, pending)
+                self.gate.synced(upto)
+                self._compacted_size = max(self._compacted_size, before)
+                self.telemetry.log_compaction_deferred(exc)
+                return self.log.synced_bytes
             self.gate.synced(upto)
         finally:
             self._end()
@@ -245,6 +257,8 @@ class GroupCommit:
         # Not abandoned on cancellation (see `DiskThread.run`).
         try:
             return await self._disk.run(fn, *args)
+        except fsutil.NotReplaced:
+            raise  # nothing changed on disk: not a failure of the log
         except Exception as exc:
             if self.failure is None:
                 self.failure = exc

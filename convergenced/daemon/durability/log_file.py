@@ -200,9 +200,14 @@ class FactLog:
 
         Entries appended meanwhile stay buffered and go to the new file, numbered
         after ``entries``.
+
+        Raises:
+            fsutil.NotReplaced: it failed before the rename (no descriptor or no space
+                for the new file): this log is untouched and still in use.
+            OSError: it failed after the rename: the log is not to be trusted.
         """
-        fsutil.write_atomic(self.path, encode_log(entries))
-        old, self._fd = self._fd, os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        new = fsutil.replace_open(self.path, encode_log(entries))
+        old, self._fd = self._fd, new
         os.close(old)
         self._next_seq = len(entries) + 1
         self.synced_bytes = os.fstat(self._fd).st_size

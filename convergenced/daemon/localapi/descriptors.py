@@ -1,13 +1,13 @@
 """How many local clients the process's descriptor limit leaves room for.
 
 Every local client holds a file descriptor, and so do peers, metrics scrapes and
-the write-ahead log. The log is the one that may not meet EMFILE: a compaction
-that cannot open its new file is a log failure and stops the daemon (see
-`durability.group_commit`). A daemon started from a shell with ``ulimit -n 256``
-used to let idle local connections take every descriptor, then die at its next
-compaction. So at start the daemon sizes its client limit from the soft
-``RLIMIT_NOFILE``, after raising it towards the hard limit when that is allowed,
-and keeps in reserve what the others can hold at most:
+the write-ahead log. The log is the one that must not meet EMFILE: a compaction
+that cannot open its new file is put off (the old log goes on, see
+`durability.group_commit`), but a log that stays uncompacted grows. A daemon
+started from a shell with ``ulimit -n 256`` used to let idle local connections take
+every descriptor, then die at its next compaction. So at start the daemon sizes
+its client limit from the soft ``RLIMIT_NOFILE``, after raising it towards the hard
+limit when that is allowed, and keeps in reserve what the others can hold at most:
 
 * peers: ``limits.max_connections`` (accepted and dialled, those in their TLS
   handshake included) plus one per peer this node dials, and a margin for the
