@@ -21,14 +21,13 @@ from convergenced.core import local_api_codec as codec
 from convergenced.core.admission import Admission
 from convergenced.core.gate import OutputGate
 from convergenced.core.node import NodeCore
-from convergenced.core.overlay import links
 from convergenced.daemon.config import Config
 from convergenced.daemon.durability.entries import Entry, Incarnation
 from convergenced.daemon.durability.group_commit import GroupCommit
 from convergenced.daemon.durability.log_file import FactLog
 from convergenced.daemon.localapi.operations import LocalOperations
 from convergenced.daemon.localapi.server import LocalApiServer
-from convergenced.daemon.peers.manager import PeerManager, link_config
+from convergenced.daemon.peers.manager import PeerManager, link_config, overlay_peers
 from convergenced.daemon.peers.security import INSECURE_WARNING, PeerSecurity
 from convergenced.daemon.peers.session import PeerHub
 from convergenced.daemon.telemetry import Telemetry
@@ -151,13 +150,6 @@ def incarnation_after(entries: list[Entry], floor: int = 0) -> int:
     return 1 + max([floor, *(e.number for e in entries if isinstance(e, Incarnation))])
 
 
-def planned_links(cfg: Config) -> list[str]:
-    """The peers this node links to, dialling or accepting (the overlay of `overlay`)."""
-    ids = [cfg.node_id, *(p.node_id for p in cfg.peers)]
-    return sorted({b if a == cfg.node_id else a for a, b in links(ids, cfg.mesh_limit)
-                   if cfg.node_id in (a, b)})  # fmt: skip
-
-
 def assemble(
     cfg: Config,
     log: FactLog,
@@ -174,7 +166,7 @@ def assemble(
     fresh = not any(isinstance(e, Incarnation) for e in entries)
     node = NodeCore(cfg.node_id, incarnation_after(entries, floor), sign=security.sign,
                     verify=security.verify, unsure_of_past=fresh)  # fmt: skip
-    node.plan_links(planned_links(cfg))
+    node.plan_links(sorted(overlay_peers(cfg)))
     node.replay(entries)
     for _ in iter(node.next_event, None):
         pass  # what replay reports is old news

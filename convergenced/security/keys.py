@@ -239,7 +239,7 @@ class NodeIdentity:
             raise IdentityError(
                 path,
                 "already exists; refusing to replace a node identity (the cluster's trust "
-                "list names its public key). Remove it first or pass overwrite",
+                "list names its public key)",
             ) from None
         except OSError as exc:
             raise IdentityError(path, f"cannot write: {exc.strerror or exc}") from None
