@@ -18,23 +18,28 @@ from convergenced.core.node import NodeCore
 from convergenced.core.records import Record
 from convergenced.core.spec import Policy, StreamSpec
 
-SPEC = StreamSpec.create("job", {"a": [0, 1]}, Policy.all_of("nvme"))
+SPEC = StreamSpec.create("job", {"a": [0, 1]}, Policy.all_of("nvme"), retention=2)
 
 
 class Node:
-    """Node ``a`` with ``job`` declared and durable."""
+    """Node ``a`` with ``job`` declared and durable, or rebuilt from ``log``."""
 
-    def __init__(self) -> None:
-        self.core = NodeCore("a", 1)
+    def __init__(self, log: list[Fact] | None = None) -> None:
+        self.core = NodeCore("a", 1 if log is None else 2)
+        if log is not None:
+            self.core.replay(log)
         self.gate = OutputGate(self.core)
         self.admission = Admission(self.core, self.gate)
-        self.admission.submit(Declare(SPEC))
+        self.log: list[Fact] = list(log or [])
+        if log is None:
+            self.admission.submit(Declare(SPEC))
         self.sync()
 
     def sync(self) -> list[Fact]:
         """Make everything durable; return the facts written."""
         facts, position = self.gate.take_unlogged()
         self.gate.synced(position)
+        self.log += facts
         return list(facts)
 
     def refusal(self, fact: Fact) -> str:
@@ -70,3 +75,119 @@ def test_a_record_made_from_a_log_with_commits_in_70_domains_is_one_peers_accept
 def test_the_limits_fit_together() -> None:
     # A policy's domains are all a record's newest may name: they must fit in it.
     assert limits.MAX_POLICY_DOMAINS <= limits.MAX_DOMAINS
+
+
+# -- digests ------------------------------------------------------------------------
+
+A = "sha256:" + "ab" * 32
+B = "sha256:" + "cd" * 32
+C = "sha256:" + "ef" * 32
+
+
+@pytest.mark.parametrize(
+    "digest",
+    [
+        "d",
+        "ab" * 32,  # no algorithm
+        "sha256:" + "ab" * 31,  # too short
+        "sha256:" + "ab" * 33,
+        "sha256:" + "AB" * 32,  # one spelling only: digests are compared as text
+        "sha256:" + "ag" * 32,
+        "md6:" + "ab" * 32,
+        "sha512:" + "ab" * 32,  # sha512 takes 128 digits
+    ],
+)
+def test_a_digest_that_is_not_algo_hex_of_its_length_is_refused(digest: str) -> None:
+    n = Node()
+    assert n.refusal(Commit("job", 0, "nvme", 1, digest, 5)) == "bad_digest"
+    assert n.sync() == []
+
+
+@pytest.mark.parametrize("digest", [A, "sha512:" + "0f" * 64, "md5:" + "0" * 32, ""])
+def test_a_digest_of_a_known_algorithm_and_length_is_taken(digest: str) -> None:
+    n = Node()
+    n.admission.submit(Commit("job", 0, "nvme", 1, digest, 5))
+    assert n.sync() == [Commit("job", 0, "nvme", 1, digest, 5)]
+
+
+@pytest.mark.parametrize(("digest", "size"), [(B, 100), (A, 101), (A, 0), ("", 101)])
+def test_another_content_for_an_epoch_held_is_a_conflict(digest: str, size: int) -> None:
+    n = Node()
+    n.admission.submit(Commit("job", 0, "nvme", 5, A, 100))
+    n.sync()
+    assert n.refusal(Commit("job", 0, "nvme", 5, digest, size)) == "digest_conflict"
+    assert n.sync() == []
+    assert n.admission.submit(Commit("job", 0, "nvme", 5, A, 100)).repeat  # unchanged
+
+
+def relaunch(n: Node, generation: int) -> int | None:
+    """What a relaunched job does first: ask for ``generation``'s restore point."""
+    fact = n.core.freeze_fact("job", generation)
+    assert fact is not None
+    n.admission.submit(fact)
+    n.sync()
+    answer = n.core.generation("job", generation)
+    assert answer.resolved
+    return answer.restore_point
+
+
+def saved(n: Node, epochs: range, digest: str) -> None:
+    for e in epochs:
+        for rank in (0, 1):
+            n.admission.submit(Commit("job", rank, "nvme", e, digest, e))
+    n.sync()
+
+
+def test_after_a_relaunch_its_saves_above_the_restore_point_supersede() -> None:
+    n = Node()
+    saved(n, range(1, 6), A)
+    n.admission.submit(Retract("job", 1, "nvme", 5))  # rank 1 lost epoch 5
+    n.sync()
+    assert relaunch(n, 1) == 4
+    # The new launch restores 4 and saves 5 again, with other bytes (not deterministic).
+    n.admission.submit(Commit("job", 0, "nvme", 5, B, 5))
+    assert n.sync() == [Commit("job", 0, "nvme", 5, B, 5)]
+    assert n.admission.submit(Commit("job", 0, "nvme", 5, B, 5)).repeat  # its own retry
+    # Within the new launch, a third content is a conflict again.
+    assert n.refusal(Commit("job", 0, "nvme", 5, C, 5)) == "digest_conflict"
+    # The restore point it restored from keeps its content.
+    assert n.refusal(Commit("job", 0, "nvme", 4, B, 4)) == "digest_conflict"
+    assert n.sync() == []
+
+
+def test_while_a_generation_is_unresolved_only_epochs_above_its_frozen_set_supersede() -> None:
+    pair = StreamSpec.create("pair", {"a": [0], "b": [1]}, Policy.all_of("nvme", "s3"))
+    n = Node()
+    n.admission.submit(Declare(pair))
+    for e in (1, 2, 3):
+        for d in ("nvme", "s3"):
+            n.admission.submit(Commit("pair", 0, d, e, A, e))
+    n.admission.submit(Commit("pair", 0, "nvme", 9, A, 9))  # 9 never reached s3
+    n.sync()
+    fact = n.core.freeze_fact("pair", 1)  # b's frozen set unknown: unresolved
+    assert fact is not None and fact.epochs.max() == 3
+    n.admission.submit(fact)
+    n.admission.submit(Commit("pair", 0, "nvme", 4, A, 4))  # the old launch, still saving
+    n.sync()
+    assert not n.core.generation("pair", 1).resolved
+    assert n.refusal(Commit("pair", 0, "nvme", 3, B, 3)) == "digest_conflict"
+    assert n.refusal(Commit("pair", 0, "nvme", 4, B, 4)) == "digest_conflict"  # after g
+    assert not n.admission.submit(Commit("pair", 0, "nvme", 9, B, 9)).repeat
+    assert n.sync() == [Commit("pair", 0, "nvme", 9, B, 9)]
+
+
+def test_the_rules_hold_after_log_compaction_and_a_restart() -> None:
+    n = Node()
+    saved(n, range(1, 6), A)
+    n.admission.submit(Retract("job", 1, "nvme", 5))
+    n.sync()
+    assert relaunch(n, 1) == 4
+    n.admission.submit(Commit("job", 0, "nvme", 6, B, 6))  # new launch, new epoch
+    n.sync()
+    for log in (n.log, n.core.compacted_facts()):
+        m = Node(log)
+        assert m.admission.submit(Commit("job", 0, "nvme", 3, A, 3)).repeat
+        assert m.refusal(Commit("job", 0, "nvme", 3, B, 3)) == "digest_conflict"
+        assert m.refusal(Commit("job", 0, "nvme", 6, C, 6)) == "digest_conflict"
+        assert not m.admission.submit(Commit("job", 0, "nvme", 5, B, 5)).repeat  # supersedes
+        assert m.sync() == [Commit("job", 0, "nvme", 5, B, 5)]

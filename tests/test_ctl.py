@@ -260,7 +260,7 @@ def test_commit_retract_text_and_json(ctl: Ctl, c1: Client, stream: str) -> None
     assert out == f"committed {stream} rank 0 nvme epoch 5 (durable)\n"
     result = ctl.json(
         "commit", stream, "--rank", "0", "--domain", "nvme", "--epoch", "6",
-        "--digest", "9f2c", "--size", "4096",
+        "--digest", "crc32c:9f2c0a1b", "--size", "4096",
     )  # fmt: skip
     assert result == {"stream": stream, "epoch": 6, "durable": True}
     code, out, _ = ctl("retract", stream, "--rank", "0", "--domain", "nvme", "--epoch", "6")

@@ -56,6 +56,12 @@ def test_commits_sent_again_after_kill_9_and_compaction_are_acknowledged_once() 
         after = c.state("job")
         for key in ("recoverable", "restore_point", "high_water", "newest"):
             assert after[key] == before[key], key
+        # The digests survived compaction and the restart: another one is a conflict.
+        for digest, reason in ((_digest(6), "digest_conflict"), ("d", "bad_digest")):
+            with pytest.raises(ApiError) as info:
+                c.commit("job", 0, "nvme", 5, digest=digest, size=5)
+            assert info.value.reason == reason
+        assert wal.stat().st_size == size
 
 
 def test_commits_in_65_domains_never_cut_a_link() -> None:

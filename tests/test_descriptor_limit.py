@@ -173,7 +173,7 @@ def test_a_daemon_under_a_low_descriptor_limit_refuses_clients_and_keeps_its_log
                 assert cluster.procs[1].poll() is None, cluster.log(1)[-3000:]
                 assert time.monotonic() < deadline, "no compaction"
                 epoch += 1
-                committer.commit("job", 0, "nvme", epoch, digest="x" * 200)
+                committer.commit("job", 0, "nvme", epoch, digest="sha512:" + "ab" * 64)
             assert "EMFILE" not in cluster.log(1) and "log failed" not in cluster.log(1)
         finally:
             for s in idle:

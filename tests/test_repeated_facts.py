@@ -133,7 +133,7 @@ def test_a_repeat_is_recognised_after_log_compaction() -> None:
     for epoch in range(1, 6):
         again = Commit("job", 1, "nvme", epoch, f"sha256:{epoch:064x}", epoch)
         assert restarted.admission.submit(again).repeat
-    assert restarted.core.judge(Commit("job", 1, "nvme", 3, OTHER, 3)) is Verdict.CONTENT
+    assert restarted.core.judge(Commit("job", 1, "nvme", 3, OTHER, 3)) is Verdict.CONFLICT
     assert restarted.sync() == []
 
 

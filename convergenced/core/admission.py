@@ -16,6 +16,10 @@ copy of them. The rules on top of the core's own checks:
   (``unknown_domain`` otherwise: a typo such as ``nvm`` would add a column to
   ``state``, a label to the metrics and an entry to the record, which peers refuse
   past `limits.MAX_DOMAINS`; see `limits`);
+* a commit's digest, if it states one, is ``ALGO:hex`` of that algorithm's length
+  (``bad_digest``), and a commit of an epoch held with another digest or size is a
+  conflict (``digest_conflict``) unless a later launch of the job saved it again
+  (`commits`);
 * a retirement records a deletion the daemon allowed: an epoch that is not in
   ``safe_to_delete`` is refused (deleting anything else is a loss, which a
   retraction reports, and which may roll the restore point back);
@@ -30,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from convergenced.core.commits import Verdict
+from convergenced.core.commits import Verdict, check_digest
 from convergenced.core.errors import FactError, SpecConflictError, SpecError
 from convergenced.core.facts import Commit, Declare, Fact, Incarnation, Retire, Retract
 from convergenced.core.gate import OutputGate
@@ -107,7 +111,19 @@ class Admission:
             return fact.spec.name in self.node.streams()
         if isinstance(fact, Commit):
             self.node.check(fact)
-            return self.node.judge(fact) is Verdict.REPEAT
+            verdict = self.node.judge(fact)
+            if verdict is Verdict.CONFLICT:
+                held = self.node.content(fact)
+                assert held is not None  # a conflict is with a held content
+                raise ApiError(
+                    ErrorKind.REJECTED,
+                    "digest_conflict",
+                    f"stream {fact.stream!r}: rank {fact.rank} holds epoch {fact.epoch} in "
+                    f"{fact.domain} with digest {held.digest!r} and size {held.size}; this "
+                    f"commit says {fact.digest!r} and {fact.size} (a different checkpoint "
+                    "under the same epoch: retract the epoch first if it was rewritten)",
+                )
+            return verdict is Verdict.REPEAT
         return False
 
     @staticmethod
@@ -161,6 +177,8 @@ class Admission:
                 )
         elif isinstance(fact, Commit | Retract | Retire):
             self._named_domain(fact)
+        if isinstance(fact, Commit) and (problem := check_digest(fact.digest)) is not None:
+            raise ApiError(ErrorKind.REJECTED, "bad_digest", f"stream {fact.stream!r}: {problem}")
         if isinstance(fact, Retire) and fact.epoch not in self.node.safe_to_delete(fact.stream):
             raise ApiError(
                 ErrorKind.REJECTED,

@@ -43,6 +43,7 @@ from convergenced.core.events import (
 from convergenced.core.facts import (
     CloseGenerations,
     Commit,
+    Content,
     Declare,
     Fact,
     Freeze,
@@ -188,6 +189,10 @@ class NodeCore(Declarations, EarlierLives):
             UnknownStreamError: the stream is not declared here.
         """
         return judge(self._stream(commit.stream).facts, commit)
+
+    def content(self, commit: Commit) -> Content | None:
+        """The digest and size held for the epoch ``commit`` is about (None: none)."""
+        return self._stream(commit.stream).facts.content(commit.rank, commit.domain, commit.epoch)
 
     def apply(self, fact: Fact) -> None:
         """Apply a fact (checked first) and re-evaluate its stream.

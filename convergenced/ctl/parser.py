@@ -288,7 +288,9 @@ def _add_facts(add: Callable[[str, str, str], argparse.ArgumentParser]) -> None:
         p.add_argument("--domain", required=True, metavar="D")
         p.add_argument("--epoch", type=_natural, required=True, metavar="E")
         if name == "commit":
-            p.add_argument("--digest", default="", metavar="HEX", help="checksum of the data")
+            p.add_argument(
+                "--digest", default="", metavar="ALGO:HEX", help="checksum (sha256:<hex>)"
+            )
             p.add_argument("--size", type=_natural, default=0, metavar="BYTES")
 
 
