@@ -327,7 +327,7 @@ class CheckpointStore:
 
         Raises:
             ApiError: the daemon refused the commit (unknown stream, retired epoch...).
-            DaemonUnreachable: the daemon cannot be reached.
+            DaemonUnreachable: the daemon cannot be reached within the reconnect bound.
             OSError: the local write failed (nothing was committed).
         """
         if self._closed:
@@ -436,7 +436,8 @@ class CheckpointStore:
     def close(self, *, flush: bool = True, timeout: float | None = None) -> None:
         """Stop the uploader; with ``flush`` (the default), after the pending uploads.
 
-        ``flush=False`` drops pending uploads at once, as a crash would.
+        ``flush=False`` drops pending uploads at once, as a crash would; an upload whose
+        commit waits for a restarting daemon is waited for: close the client first.
 
         Raises:
             UploadError, TimeoutError: as `flush`, when ``flush`` is true (the uploader

@@ -68,6 +68,11 @@ arbitrary code. An ``extra`` or a custom scheduler holding other objects needs e
 ``torch.serialization.add_safe_globals([...])`` for those classes or, for checkpoints
 you trust, ``restore(..., weights_only=False)``.
 
+**Daemon restarts.** Training goes on through a restart of the daemon: a `save` made
+while it is down waits for it (within the client's reconnect bound), and the store
+commits again the shards its tiers hold, after verifying them, when it opens and after
+reconnecting to a daemon that restarted (see `convergenced.integrations.files`).
+
 **Guarantees.** `restore` loads exactly the agreed epoch of the generation (the store
 reads nothing else, and the embedded metadata is checked again) or raises before
 touching the model. A checkpoint whose embedded epoch, stream or rank disagrees with

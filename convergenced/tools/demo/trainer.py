@@ -267,6 +267,9 @@ class Trainer(threading.Thread):
             flush = True
         except Killed:
             self.outcome = "killed"
+            # A crashed process's connection dies with it: its uploader must not wait
+            # for the daemon (killed too) to come back.
+            client.close()
             self.collective.abort()
         except threading.BrokenBarrierError:
             self.outcome = "stopped"  # a peer died: the launcher stops this rank too
