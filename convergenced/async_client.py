@@ -443,6 +443,10 @@ class AsyncClient:
             await self.call("restore_point", stream=stream, generation=generation, timeout=timeout)
         )
 
+    async def next_generation(self, stream: str, timeout: float | None = None) -> dict[str, Any]:
+        """See `Client.next_generation`."""
+        return dict(await self.call("next_generation", stream=stream, timeout=timeout))
+
     @asynccontextmanager
     async def watch(self, stream: str) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
         """See `Client.watch`. A context manager, so the watch ends when the block does::

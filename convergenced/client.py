@@ -243,6 +243,20 @@ class Client:
             self.call("restore_point", stream=stream, generation=generation, timeout=timeout)
         )
 
+    def next_generation(self, stream: str, timeout: float | None = None) -> dict[str, Any]:
+        """The recovery generation a new launch of ``stream`` uses: ``{stream, generation}``.
+
+        No member has resolved or closed it, however often the job was launched
+        before. One rank of the launch asks and hands the number to the others, which
+        all ask `restore_point` for it; asking changes nothing (asking again before
+        anyone froze it gives the same number).
+
+        Raises:
+            ApiError: kind ``timeout`` when a daemon that started without its state
+                has not heard from its peers within ``timeout`` seconds.
+        """
+        return dict(self.call("next_generation", stream=stream, timeout=timeout))
+
     def watch(self, stream: str) -> Generator[dict[str, Any], None, None]:
         """The state now and after every change; stop iterating (or close) to end it.
 

@@ -72,6 +72,10 @@ class Lost:
     message: str
 
 
+_TIMED = ("wait", "restore_point", "next_generation")
+"""Operations whose ``timeout`` keeps running through an outage (`Request.deadline`)."""
+
+
 @dataclass(eq=False, slots=True)
 class Request:
     """One request in flight, and the box its replies go to."""
@@ -372,7 +376,7 @@ class Connection:
                     self._cond.wait()
                 finally:
                     self.waiting -= 1
-            timeout = args.get("timeout") if op in ("wait", "restore_point") else None
+            timeout = args.get("timeout") if op in _TIMED else None
             deadline: float | None = None  # the daemon checks the timeout itself
             if isinstance(timeout, int | float) and not isinstance(timeout, bool):
                 deadline = self._clock() + timeout

@@ -15,8 +15,9 @@ Calls made meanwhile wait for the connection (never past the bound). Once connec
 the client declares again the streams it declared, and sends again every request
 still unanswered (`RETRIED`), each of which may be sent twice because:
 
-* ``status``, ``streams``, ``state``, ``restore_point``, ``wait``: reads (a wait or a
-  restore_point keeps what is left of its timeout; it is not extended);
+* ``status``, ``streams``, ``state``, ``restore_point``, ``wait``,
+  ``next_generation``: reads (a wait, restore_point or next_generation keeps what is
+  left of its timeout; it is not extended);
 * ``watch``: subscribed again, it starts with the state now;
 * ``declare``: idempotent for the same spec;
 * ``commit``: a commit the daemon already holds, with the same digest, is
@@ -111,6 +112,7 @@ RETRIED = frozenset(
         "state",
         "wait",
         "restore_point",
+        "next_generation",
         "watch",
     }
 )

@@ -101,6 +101,10 @@ def test_every_operation_parses_into_typed_arguments() -> None:
     }
     assert _parse("wait", stream="job", epoch=3).args["timeout"] is None
     assert _parse("restore_point", stream="job", generation=2).args["generation"] == 2
+    assert _parse("next_generation", stream="job", timeout=3).args == {
+        "stream": "job",
+        "timeout": 3.0,
+    }
     assert _parse("cancel", target=4).args == {"target": 4}
     for op in ("status", "streams"):
         assert _parse(op).args == {}
@@ -115,6 +119,7 @@ def test_every_operation_parses_into_typed_arguments() -> None:
         "state",
         "wait",
         "restore_point",
+        "next_generation",
         "watch",
         "cancel",
     }
@@ -206,4 +211,4 @@ def test_every_operation_of_the_codec_has_one_handler_and_a_kind() -> None:
 
     assert set(OPERATIONS) == set(codec.OPS)
     waits = {op for op, o in OPERATIONS.items() if o.kind is OpKind.WAIT}
-    assert waits == {"wait", "restore_point", "watch"}
+    assert waits == {"wait", "restore_point", "next_generation", "watch"}

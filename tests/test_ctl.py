@@ -332,6 +332,28 @@ def test_restore_point_of_a_generation(
     assert (code, out) == (0, f"{stream} generation 1: restore point 2\n")
 
 
+def test_next_generation_prints_a_generation_no_member_resolved(
+    ctl: Ctl, c1: Client, c2: Client, stream: str
+) -> None:
+    commit_both(c1, c2, stream, range(1, 3))
+    c1.wait(stream, 2, timeout=10)
+    code, out, err = ctl("next-generation", stream, "--timeout", "10")
+    assert (code, out, err) == (0, "0\n", "")
+    assert ctl.json("next-generation", stream, node=2) == {"stream": stream, "generation": 0}
+    other: list[dict[str, Any]] = []
+    t = threading.Thread(target=lambda: other.append(c2.restore_point(stream, 0, timeout=10)))
+    t.start()
+    try:
+        assert c1.restore_point(stream, 0, timeout=10)["restore_point"] == 2
+    finally:
+        t.join()
+    # Generation 0 is resolved: the next launch gets 1, whichever node it asks.
+    assert ctl("next-generation", stream, node=2)[1] == "1\n"
+    code, out, err = ctl("next-generation", "nosuchstream")
+    assert (code, out) == (1, "")
+    assert err.rstrip().endswith("[unknown_stream]")
+
+
 # -- watch -----------------------------------------------------------------------------------
 
 

@@ -18,6 +18,7 @@ import pytest
 
 from convergenced.core.agreement import StreamAgreement
 from convergenced.core.gate import GatedOutput
+from convergenced.core.node import NodeCore
 from convergenced.core.records import Record
 from convergenced.sim.runner import replay_command, run_seeds
 from convergenced.sim.world import FAULTS, SimConfig, Simulation
@@ -127,6 +128,16 @@ def test_oracle_catches_a_restore_point_that_ignores_proposals(
     monkeypatch.setattr(StreamAgreement, "decide", hasty)
     found = _first_violation(_configs(30, faults=frozenset({"retract", "crash"})))
     assert found is not None
+
+
+def test_oracle_catches_a_relaunch_that_reuses_its_launchers_counter(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Broken rule: every launch uses generation 0, as a launcher's counter does after
+    # a requeue or a rerun, and gets the final answer of the first launch.
+    monkeypatch.setattr(NodeCore, "next_generation", lambda self, stream: 0)
+    found = _first_violation(_configs(10, faults=frozenset({"relaunch"})))
+    assert found == "S2"
 
 
 # -- the command --------------------------------------------------------------------

@@ -33,6 +33,15 @@ chooses. The rules:
    `MAX_GENERATIONS` open; freezing one more closes the oldest.
 5. A closed generation that this process resolved still answers (rule 3); one that
    never resolved here is refused with `GenerationClosedError`.
+6. **A relaunch opens a new generation** (`next_generation`): one rank of the new
+   launch asks its daemon for the number and hands it to the launch's other ranks,
+   instead of a launcher's counter (which starts again at 0 with every new launch).
+   The number is above every generation this node froze, resolved or closed, and
+   every one in the members' records. No member can have resolved it (that needed
+   this node's frozen set of it, which this node remembers, or adopts from its peers
+   when it lost its state), so the launch gets the answer of its own frozen sets,
+   never the final answer of an older launch, and all its ranks get the same one
+   (rule 2).
 
 The table `TRANSITIONS` is the whole state machine; `Generations` holds the frozen
 sets and answers of one stream and fires the transitions.
@@ -47,6 +56,7 @@ from enum import Enum
 from convergenced.core.errors import FactError
 from convergenced.core.interval_set import IntervalSet
 from convergenced.core.limits import MAX_GENERATIONS
+from convergenced.core.validate import INT64_MAX
 
 
 class GenerationState(Enum):
@@ -86,8 +96,22 @@ class GenerationClosedError(FactError):
     def __init__(self, stream: str, generation: int, closed_below: int) -> None:
         super().__init__(
             f"stream {stream!r}: generation {generation} is closed "
-            f"(generation {closed_below} or newer is resolved)",
+            f"(generation {closed_below} or newer is resolved); a relaunch asks for "
+            "a new generation (next_generation) instead of reusing a launcher's counter",
             reason="generation_closed",
+        )
+        self.generation = generation
+        self.closed_below = closed_below
+
+
+class GenerationsExhaustedError(FactError):
+    """No generation number is left above the highest one known (2^63 - 1)."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(
+            f"stream {stream!r}: generation {INT64_MAX} is known, no newer one is left; "
+            "declare a new stream",
+            reason="generations_exhausted",
         )
 
 
@@ -122,6 +146,22 @@ def resolve(
     if waiting:
         return False, None, tuple(waiting)
     return True, IntervalSet.intersect_all(known).max(), ()
+
+
+def next_generation(own: Generations, published: Iterable[int]) -> int:
+    """Rule 6: the generation a new launch uses, given ``published``, the generation
+    numbers in the members' records.
+
+    Above every generation of ``own`` (open, resolved here, or closed) and every one
+    published; 0 when none is known.
+
+    Raises:
+        GenerationsExhaustedError: generation 2^63 - 1 is known already.
+    """
+    top = max([*own.frozen, *own.answers, *published], default=-1)
+    if top >= INT64_MAX:
+        raise GenerationsExhaustedError(own.stream)
+    return max(own.closed_below, top + 1)
 
 
 @dataclass(slots=True)

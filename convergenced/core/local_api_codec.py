@@ -358,6 +358,12 @@ def _restore_point(a: Mapping[Any, Any], p: str) -> dict[str, Any]:
     return out
 
 
+def _next_generation(a: Mapping[Any, Any], p: str) -> dict[str, Any]:
+    out = _stream(a, p)
+    out["timeout"] = _timeout(a, p)
+    return out
+
+
 def _cancel(a: Mapping[Any, Any], p: str) -> dict[str, Any]:
     return {"target": as_int(a.get("target"), f"{p}.target")}
 
@@ -378,6 +384,7 @@ _OPS: dict[str, tuple[Any, tuple[str, ...]]] = {
     "state": (_stream, ("stream",)),
     "wait": (_wait, ("stream", "epoch", "timeout")),
     "restore_point": (_restore_point, ("stream", "generation", "timeout")),
+    "next_generation": (_next_generation, ("stream", "timeout")),
     "watch": (_stream, ("stream",)),
     "cancel": (_cancel, ("target",)),
 }

@@ -57,6 +57,7 @@ from convergenced.core.facts import (
 from convergenced.core.generations import (
     GenerationAnswer,
     GenerationClosedError,
+    next_generation,
     resolve,
 )
 from convergenced.core.interval_set import IntervalSet
@@ -286,6 +287,30 @@ class NodeCore(Declarations, EarlierLives):
         others = [s for m, s in self._frozen_sets(st, generation) if m != self.node_id and s]
         epochs = recoverable.at_least(floor) | (recoverable & IntervalSet.union_all(others))
         return Freeze(stream, generation, epochs.newest_ranges(MAX_RANGES))
+
+    def next_generation(self, stream: str) -> int | None:
+        """The recovery generation a new launch of ``stream`` uses (`generations`, rule 6).
+
+        Above every generation this node froze, resolved or closed and every one in
+        its members' records, so no member has resolved it: one rank of the launch
+        asks, and hands the number to the others. Asking changes nothing; asking
+        again before anyone froze it gives the same number. None until this node,
+        started without a log, has heard from its members (`waiting_to_freeze`):
+        before that it may not know of generations its lost state froze.
+
+        Raises:
+            UnknownStreamError: the stream is not declared here.
+            GenerationsExhaustedError: generation 2^63 - 1 is known already.
+        """
+        st = self._stream(stream)
+        if not st.settled:
+            return None
+        digest = st.agreement.digest
+        records = self.view.stream(stream)
+        published = [g for m in st.facts.spec.member_ids if m != self.node_id
+                     and (rec := records.get(m)) is not None and rec.spec_digest == digest
+                     for g, _ in rec.generations]  # fmt: skip
+        return next_generation(st.generations, published)
 
     def compacted_facts(self) -> list[Fact]:
         """The shortest list of facts whose `replay` rebuilds this node's local state.

@@ -11,6 +11,7 @@ Every subcommand is one request to the daemon through `convergenced.client.Clien
     convergencectl retract job --rank 0 --domain nvme --epoch 120
     convergencectl retire job --rank 0 --domain nvme --epoch 100
     convergencectl wait job 120 --timeout 60
+    convergencectl next-generation job
     convergencectl restore-point job 3 --timeout 60
     convergencectl watch job --json | jq .restore_point
     convergencectl top job
@@ -113,6 +114,10 @@ COMMANDS: dict[str, Command] = {
     "restore-point": Command(
         lambda c, a: c.restore_point(a.stream, a.generation, a.timeout),
         lambda r, a: format_restore_point(r),
+    ),
+    # Just the number, for a launcher script: GEN=$(convergencectl next-generation job)
+    "next-generation": Command(
+        lambda c, a: c.next_generation(a.stream, a.timeout), lambda r, a: str(r["generation"])
     ),
 }
 

@@ -183,6 +183,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("generation", type=_natural, metavar="GEN")
     p.add_argument("--timeout", type=_seconds, metavar="S", help="give up after S seconds")
     p = add(
+        "next-generation",
+        "the recovery generation a new launch uses",
+        "Print the number of a recovery generation of STREAM that no member has resolved "
+        "or closed: a relaunched job asks once, hands it to every rank, and each asks "
+        "restore-point for it. Asking changes nothing. Exit 1 on timeout (a daemon that "
+        "lost its state has not heard from its peers yet).",
+    )
+    p.add_argument("stream", metavar="STREAM")
+    p.add_argument("--timeout", type=_seconds, metavar="S", help="give up after S seconds")
+    p = add(
         "watch",
         "print the state now and after every change",
         "Print the state of STREAM now and after every change, one line each, until "

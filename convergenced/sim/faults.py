@@ -16,6 +16,10 @@ fast or slow); every other fault is an event:
 * ``replay``: old records, from anywhere, arrive again;
 * ``retract``: a rank loses an epoch it had committed (and sometimes the job
   restarts into a new recovery generation);
+* ``relaunch``: the job is relaunched (preempted, requeued, rerun) with its
+  launcher's counter back at 0, sometimes twice in quick succession: one rank, on
+  any member, asks its daemon for a new generation and hands it to the others; the
+  ranks of the launch before die, one already asking may still reach its daemon;
 * ``lose_state``: a daemon dies and its state directory is lost (a replaced disk, a
   rescheduled pod): it comes back later from an empty log, with its identity and
   its checkpoints (sometimes without the incarnation floor kept beside its key),
@@ -39,7 +43,7 @@ from convergenced.sim.oracle import Truth
 
 FAULTS = (
     "reset", "delay", "clog", "partition", "crash", "pause", "skew", "replay", "retract",
-    "lose_state", "undeclare",
+    "lose_state", "undeclare", "relaunch",
 )  # fmt: skip
 """Every fault the simulator can inject (``--faults all``)."""
 
@@ -55,6 +59,7 @@ RATE_RANGES: dict[str, tuple[float, float]] = {
     "retract": (0.0, 0.15),
     "lose_state": (0.0, 0.04),
     "undeclare": (0.0, 0.03),
+    "relaunch": (0.0, 0.06),
 }
 """Per fault, the range its rate is drawn from: chance per fault step."""
 FAULT_STEP = 10_000
@@ -201,6 +206,13 @@ class FaultInjector:
             # life from what its peers tell it.
             w.lose_state(nid, floor_too=w.loop.rng.random() < 0.3)
             w.loop.after(w.loop.rng.randint(20_000, 120_000), w.restart, nid)
+
+    def _relaunch(self) -> None:
+        w = self.world
+        w.loop.trace("fault relaunch")
+        w.recovery()
+        if w.loop.rng.random() < 0.3:  # and again, before the first one got far
+            w.loop.after(w.loop.rng.randint(0, 20_000), w.recovery)
 
     def _pause(self) -> None:
         alive = self._alive()

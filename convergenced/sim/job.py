@@ -1,11 +1,12 @@
 """The simulated job: what the ranks on each node do with their daemon.
 
 Ranks save each epoch into every domain (`workload`), ask their daemon what they may
-delete and delete it once the gated answer arrives, restart into a new recovery
-generation when the job fails, and, after a node lost its state directory, commit
-again the epochs they still find on their disks (as the files integration does after
-verifying each shard). Every deletion is checked against ground truth (S4) at the
-moment it happens.
+delete and delete it once the gated answer arrives, and, after a node lost its state
+directory, commit again the epochs they still find on their disks (as the files
+integration does after verifying each shard). When the job is relaunched, one rank asks
+its daemon for a new recovery generation and hands it to the others, as the torch
+integration does, and every member's ranks ask for its restore point. Every deletion
+is checked against ground truth (S4) at the moment it happens.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Protocol
 from convergenced.core.errors import FactError
 from convergenced.core.facts import Commit, Fact, Retire
 from convergenced.core.interval_set import IntervalSet
+from convergenced.core.node import NodeCore
 from convergenced.core.spec import StreamSpec
 from convergenced.sim.loop import EventLoop
 from convergenced.sim.network import STREAM
@@ -36,6 +38,7 @@ class JobWorld(Protocol):
     domains: list[DomainModel]
     phase: str
     closed_below: dict[str, int]
+    resolved_anywhere: int
 
     def submit(self, nid: str, fact: Fact) -> None:
         """A rank of ``nid`` submits ``fact`` to its daemon."""
@@ -49,7 +52,8 @@ class Job:
         self.period_us = period_us
         self.until_us = until_us
         """Saves stop at this virtual time (the end of the faulty phase)."""
-        self.generation = 0
+        self.launch = 0
+        """Launches so far: the simulator's own bookkeeping, never shown to a daemon."""
 
     def start(self, nid: str) -> None:
         """Schedule the saves and deletion rounds of ``nid``'s ranks."""
@@ -131,19 +135,55 @@ class Job:
     # -- recovery generations -----------------------------------------------------------
 
     def recovery(self) -> None:
-        """The job restarts: every member asks for a new recovery generation."""
-        self.generation += 1
+        """The job is relaunched, its launcher's counter back at 0 (the job keeps no
+        count of its own): one rank, on a member drawn at random (rank 0 need not run
+        where it ran before), asks its daemon for a new generation and hands it to
+        every rank, and each member's ranks ask their daemon for it. The ranks of the
+        launch before die with it: those that had not asked yet never do, and one
+        whose request was already on its way may still reach its daemon."""
+        self.launch += 1
+        loop = self.world.loop
+        opener = loop.rng.choice(self.world.ids)
+        loop.after(loop.rng.randint(0, 10_000), self._open, opener, self.launch)
+
+    def _ready(self, nid: str) -> NodeCore | None:
+        """``nid``'s core, if it can take a rank's request now."""
+        node = self.world.nodes[nid]
+        core = node.core
+        if core is None or node.paused_until > self.world.loop.now:
+            return None
+        if STREAM not in core.streams() or core.waiting_to_freeze(STREAM):
+            return None
+        return core
+
+    def _open(self, nid: str, launch: int) -> None:
+        w = self.world
+        if launch != self.launch:
+            return  # relaunched again before this launch's rank 0 asked
+        core = self._ready(nid)
+        generation = core.next_generation(STREAM) if core is not None else None
+        if generation is None:
+            w.loop.after(RETRY_US, self._open, nid, launch)  # ask again later
+            return
+        w.loop.trace(f"open {nid} g{generation}")
+        w.truth.check_opened(nid, generation, w.resolved_anywhere)
+        w.nodes[nid].reply(lambda: self._hand_out(launch, generation))
+
+    def _hand_out(self, launch: int, generation: int) -> None:
+        """Rank 0 got the number: the launch's ranks learn it (a broadcast) and ask."""
+        if launch != self.launch:
+            return  # the launch died before it handed the number out
         loop = self.world.loop
         for nid in self.world.ids:
-            loop.after(loop.rng.randint(0, 30_000), self._freeze, nid, self.generation)
+            loop.after(loop.rng.randint(0, 30_000), self._freeze, nid, generation, launch)
 
-    def _freeze(self, nid: str, generation: int) -> None:
+    def _freeze(self, nid: str, generation: int, launch: int) -> None:
         w = self.world
-        node = w.nodes[nid]
-        core = node.core
-        busy = node.paused_until > w.loop.now
-        if core is None or busy or (STREAM in core.streams() and core.waiting_to_freeze(STREAM)):
-            w.loop.after(RETRY_US, self._freeze, nid, generation)  # ask again later
+        if launch != self.launch and w.loop.rng.random() < 0.5:
+            return  # its launch died: the rank never asked, or its request was lost
+        core = self._ready(nid)
+        if core is None:
+            w.loop.after(RETRY_US, self._freeze, nid, generation, launch)  # ask again later
             return
         try:
             fact = core.freeze_fact(STREAM, generation)

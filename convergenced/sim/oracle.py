@@ -139,6 +139,16 @@ class Truth:
                 "S1", f"generation {generation}: {node} answers invalid epoch {rp}"
             )
 
+    def check_opened(self, node: str, generation: int, resolved_anywhere: int) -> None:
+        """S2 across launches: ``node`` handed out ``generation`` for a relaunch, so no
+        node may have resolved it (or a newer one), in any life: the launch would get
+        the final answer of an older launch's frozen sets."""
+        if generation <= resolved_anywhere:
+            raise InvariantViolation(
+                "S2", f"{node} opened generation {generation} for a relaunch, but generation "
+                f"{resolved_anywhere} is resolved already",
+            )  # fmt: skip
+
     def check_revealed(
         self,
         node: str,

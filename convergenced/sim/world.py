@@ -154,6 +154,8 @@ class Simulation:
         self.undeclared: dict[str, bool] = {}
         """Nodes whose job undeclared the stream, until it is declared again."""
         """Per node, over all its lives: generations below this are closed."""
+        self.resolved_anywhere = -1
+        """The newest generation any node resolved, in any life (-1: none)."""
 
     @property
     def conns(self) -> dict[tuple[str, str], Connection]:
@@ -288,6 +290,7 @@ class Simulation:
                                    ev.restore_point))  # fmt: skip
                 if ev.generation > self.closed_below.get(nid, 0):
                     self.closed_below[nid] = ev.generation
+                self.resolved_anywhere = max(self.resolved_anywhere, ev.generation)
         # Other links only have something new to say when the view changed.
         if core.view.seq != node.polled_seq:
             node.polled_seq = core.view.seq
@@ -445,7 +448,7 @@ class Simulation:
             loop.after(loop.rng.randint(0, 5_000), self.net.connect, a, b)
 
     def recovery(self) -> None:
-        """The job restarts: every member asks for a new recovery generation."""
+        """The job is relaunched: it asks for a new recovery generation (`job`)."""
         self.job.recovery()
 
     # -- marker baseline ----------------------------------------------------------

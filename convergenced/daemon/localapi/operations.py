@@ -11,8 +11,8 @@ a session runs it:
 * ``READ`` (status, streams, state): a task of its own; the reply shows the state
   at that instant and, like every reply, waits for the fsync of anything it may
   reveal;
-* ``WAIT`` (wait, restore_point, watch): a task that may wait for the cluster;
-  ended with ``unavailable`` at shutdown;
+* ``WAIT`` (wait, restore_point, next_generation, watch): a task that may wait
+  for the cluster; ended with ``unavailable`` at shutdown;
 * ``SESSION`` (cancel): addresses the session's own requests; the session answers
   it itself.
 
@@ -194,6 +194,33 @@ class LocalOperations:
             f"stream {stream!r}: generation {generation} unresolved after {timeout} s: {why}",
         )
 
+    async def next_generation(self, stream: str, timeout: float | None) -> dict[str, Any]:
+        """The recovery generation a new launch of ``stream`` uses: one that no member
+        has resolved or closed (`core.generations`, rule 6). One rank of the launch
+        asks and hands the number to the others; asking changes nothing.
+
+        Waits, like a freeze, until a node that started without a log has heard from
+        its peers (`core.lives`).
+        """
+        self.admission.known(stream)
+        with trio.move_on_after(math.inf if timeout is None else timeout):
+            while True:
+                try:
+                    generation = self.node.next_generation(stream)
+                except FactError as exc:
+                    raise rejected(exc) from None
+                if generation is not None:
+                    await self.durable()
+                    return {"stream": stream, "generation": generation}
+                await self.hub.wait_changed()
+        unheard = ", ".join(self.node.waiting_to_freeze(stream))
+        raise ApiError(
+            ErrorKind.TIMEOUT,
+            "timeout",
+            f"stream {stream!r}: no new generation after {timeout} s: this node has not "
+            f"heard from {unheard} since it started",
+        )
+
     async def watch(self, stream: str, emit: Emit) -> None:
         """Emit the state now and after every change, until cancelled.
 
@@ -250,6 +277,10 @@ async def _restore_point(ops: LocalOperations, a: Args, emit: Emit) -> Any:
     return await ops.restore_point(a["stream"], a["generation"], a["timeout"])
 
 
+async def _next_generation(ops: LocalOperations, a: Args, emit: Emit) -> Any:
+    return await ops.next_generation(a["stream"], a["timeout"])
+
+
 async def _watch(ops: LocalOperations, a: Args, emit: Emit) -> Any:
     await ops.watch(a["stream"], emit)
 
@@ -273,6 +304,7 @@ OPERATIONS: dict[str, Operation] = {
     "state": Operation(OpKind.READ, lambda ops, a, emit: ops.state(a["stream"])),
     "wait": Operation(OpKind.WAIT, _wait),
     "restore_point": Operation(OpKind.WAIT, _restore_point),
+    "next_generation": Operation(OpKind.WAIT, _next_generation),
     "watch": Operation(OpKind.WAIT, _watch),
     "cancel": Operation(OpKind.SESSION, _session),
 }
