@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from convergenced.client_protocol import (
     MAX_REPLY_BYTES,
     RETRIED,
+    TIMED,
     DaemonUnreachable,
     Outage,
     Reconnected,
@@ -324,7 +325,7 @@ class AsyncClient:
         trio = self._trio
         internal = await self._ready()
         deadline = None
-        timeout = args.get("timeout") if op in ("wait", "restore_point") else None
+        timeout = args.get("timeout") if op in TIMED else None
         if isinstance(timeout, int | float) and not isinstance(timeout, bool):
             deadline = trio.current_time() + timeout
         send, recv = trio.open_memory_channel[Any](64)

@@ -33,6 +33,7 @@ from typing import Any
 from convergenced.client_protocol import (
     MAX_REPLY_BYTES,
     RETRIED,
+    TIMED,
     DaemonUnreachable,
     Outage,
     Reconnected,
@@ -70,10 +71,6 @@ class Lost:
     """What a request's box receives when it will never be answered."""
 
     message: str
-
-
-_TIMED = ("wait", "restore_point", "next_generation")
-"""Operations whose ``timeout`` keeps running through an outage (`Request.deadline`)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -376,7 +373,7 @@ class Connection:
                     self._cond.wait()
                 finally:
                     self.waiting -= 1
-            timeout = args.get("timeout") if op in _TIMED else None
+            timeout = args.get("timeout") if op in TIMED else None
             deadline: float | None = None  # the daemon checks the timeout itself
             if isinstance(timeout, int | float) and not isinstance(timeout, bool):
                 deadline = self._clock() + timeout

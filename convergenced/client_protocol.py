@@ -49,6 +49,7 @@ __all__ = [
     "MAX_REPLY_BYTES",
     "RECONNECT_ENV",
     "RETRIED",
+    "TIMED",
     "DaemonUnreachable",
     "Outage",
     "Reconnected",
@@ -118,6 +119,10 @@ RETRIED = frozenset(
 )
 """The operations sent again after a reconnect (see the module docstring for why
 each may be sent twice). Not ``cancel``."""
+
+TIMED = frozenset({"wait", "restore_point", "next_generation"})
+"""The operations whose ``timeout`` keeps running through an outage: sent again, they
+carry what is left of it."""
 
 _FOR_GOOD = frozenset({"not_allowed"})
 
