@@ -47,9 +47,11 @@ reconnects to a daemon that restarted, so a daemon that lost its state directory
 learns again what this node holds (`convergenced.integrations.recommit` says what
 that costs, and why a shard the daemon says was retired is deleted).
 
-This module is the store; the shard format and the errors live in
-`convergenced.integrations.shards` and `convergenced.integrations.errors`, and the
-names a job needs from them are re-exported here.
+This module is the store; the shard format, the errors and the store's own types (its
+tiers, what it returns, what it needs of a client) live in
+`convergenced.integrations.shards`, `convergenced.integrations.errors` and
+`convergenced.integrations.store_api`, and the names a job needs from them are
+re-exported here.
 """
 
 from __future__ import annotations
@@ -59,10 +61,8 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, NamedTuple, Protocol
 
 from convergenced import fsutil
 from convergenced.core.local_api_codec import ApiError, ErrorKind
@@ -87,6 +87,7 @@ from convergenced.integrations.shards import (
     read_shard,
     shard_path,
 )
+from convergenced.integrations.store_api import DaemonClient, Deleted, Restored, Tier
 
 __all__ = [
     "CheckpointError",
@@ -111,58 +112,6 @@ __all__ = [
     "shard_path",
     "write_atomic",
 ]
-
-
-# -- data -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, init=False)
-class Tier:
-    """One persistence domain and the directory that holds its shards."""
-
-    domain: str
-    """The domain name committed to the daemon (``nvme``, ``s3``...)."""
-    directory: Path
-    """The root directory; shards live under ``<directory>/<stream>/``."""
-
-    def __init__(self, domain: str, directory: str | os.PathLike[str]) -> None:
-        """A tier ``domain`` stored under ``directory``."""
-        object.__setattr__(self, "domain", domain)
-        object.__setattr__(self, "directory", Path(directory))
-
-
-class Restored(NamedTuple):
-    """What `CheckpointStore.restore` returns: the agreed epoch and this rank's payload."""
-
-    epoch: int
-    payload: Payload
-
-
-@dataclass(frozen=True)
-class Deleted:
-    """One shard `CheckpointStore.gc` retired and deleted."""
-
-    domain: str
-    epoch: int
-    path: Path
-
-
-class DaemonClient(Protocol):
-    """What the store needs of a client (`convergenced.client.Client` has it)."""
-
-    def commit(
-        self, stream: str, rank: int, domain: str, epoch: int, *, digest: str = "", size: int = 0
-    ) -> dict[str, Any]: ...
-
-    def retract(self, stream: str, rank: int, domain: str, epoch: int) -> dict[str, Any]: ...
-
-    def retire(self, stream: str, rank: int, domain: str, epoch: int) -> dict[str, Any]: ...
-
-    def state(self, stream: str) -> dict[str, Any]: ...
-
-    def restore_point(
-        self, stream: str, generation: int, timeout: float | None = None
-    ) -> dict[str, Any]: ...
 
 
 # -- durable files --------------------------------------------------------------------
