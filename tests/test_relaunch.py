@@ -176,3 +176,24 @@ def test_no_generation_is_left_above_the_largest() -> None:
 def test_an_undeclared_stream_has_no_generation() -> None:
     with pytest.raises(UnknownStreamError):
         cluster()["a"].next_generation("other")
+
+
+def test_a_late_request_of_a_superseded_launch_freezes_nothing() -> None:
+    # A rank of a dead launch asks for generation 0 after this node froze generation 1
+    # for the next launch: freezing 0 now could copy epochs of b's set of 0, which b
+    # stops protecting once 1 resolves there, while our record is still on its way.
+    n = cluster()
+    a, b = n["a"], n["b"]
+    for node in n.values():
+        commit(node, 1, 2)
+    sync(a, b)
+    freeze(b, 0)
+    sync(a, b)
+    freeze(a, 1)
+    with pytest.raises(GenerationClosedError, match="froze generation 1") as info:
+        a.freeze_fact(STREAM, 0)
+    assert info.value.reason == "generation_closed"
+    assert a.status(STREAM).generations == (1,)
+    freeze(b, 1)
+    sync(a, b)
+    assert a.generation(STREAM, 1).restore_point == 2

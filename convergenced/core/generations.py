@@ -42,6 +42,14 @@ chooses. The rules:
    when it lost its state), so the launch gets the answer of its own frozen sets,
    never the final answer of an older launch, and all its ranks get the same one
    (rule 2).
+7. **Freezes go forward.** A rank's request never freezes a generation below one this
+   node froze or resolved (`check_request`): it comes from a launch that a newer one
+   superseded (a rank of a dead launch whose request arrives late). Its frozen set
+   could copy epochs of other members' sets (rule 1) that their closing, once the
+   newer generation resolves, stops protecting, while our record of it is still on
+   its way: other nodes could then delete epochs of a set that is open here (S4).
+   Facts already in the log (replay, adoption after a lost state) are not requests
+   and are applied as they are.
 
 The table `TRANSITIONS` is the whole state machine; `Generations` holds the frozen
 sets and answers of one stream and fires the transitions.
@@ -93,11 +101,18 @@ TRANSITIONS: dict[GenerationState, dict[GenEv, GenerationState]] = {
 class GenerationClosedError(FactError):
     """The generation was superseded by a newer one that is already resolved."""
 
-    def __init__(self, stream: str, generation: int, closed_below: int) -> None:
+    def __init__(
+        self, stream: str, generation: int, closed_below: int, newer: int | None = None
+    ) -> None:
+        why = (
+            f"generation {closed_below} or newer is resolved"
+            if newer is None
+            else f"this node froze generation {newer} for a newer launch"
+        )
         super().__init__(
-            f"stream {stream!r}: generation {generation} is closed "
-            f"(generation {closed_below} or newer is resolved); a relaunch asks for "
-            "a new generation (next_generation) instead of reusing a launcher's counter",
+            f"stream {stream!r}: generation {generation} is closed ({why}); a relaunch "
+            "asks for a new generation (next_generation) instead of reusing a launcher's "
+            "counter",
             reason="generation_closed",
         )
         self.generation = generation
@@ -216,6 +231,15 @@ class Generations:
         """
         self.check_freeze(generation)
         return self.state(generation) is G.UNKNOWN
+
+    def check_request(self, generation: int) -> None:
+        """Raise `GenerationClosedError` if a rank's request may not freeze
+        ``generation``: it is closed, or (rule 7) this node has not frozen it but froze
+        or resolved a newer one."""
+        self.check_freeze(generation)
+        newest = max([*self.frozen, *self.answers], default=-1)
+        if generation not in self.frozen and generation < newest:
+            raise GenerationClosedError(self.stream, generation, self.closed_below, newest)
 
     # -- transitions ----------------------------------------------------------------
 

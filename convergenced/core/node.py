@@ -274,11 +274,13 @@ class NodeCore(Declarations, EarlierLives):
 
         Raises:
             UnknownStreamError: the stream is not declared here.
-            GenerationClosedError: a newer generation is already resolved.
+            GenerationClosedError: a newer generation is already resolved, or this
+                node froze a newer one (`generations`, rule 7).
         """
         st = self._stream(stream)
         if not st.generations.needs_freeze(generation) or not st.settled:
             return None
+        st.generations.check_request(generation)
         recoverable = st.facts.recoverable
         hw = st.facts.high_water
         if hw is None:
