@@ -5,6 +5,7 @@ another epoch than the agreed one."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ from daemons import LocalCluster
 
 from convergenced.client import ApiError, Client
 from convergenced.integrations.files import (
+    CheckpointError,
     CheckpointStore,
     CorruptShardError,
     MixedEpochError,
@@ -253,6 +255,46 @@ def test_gc_deletes_only_safe_epochs_and_retires_them(client: Client, tmp_path: 
         deleted = store.gc()
         assert sorted((d.domain, d.epoch) for d in deleted) == [("nvme", 6), ("s3", 6)]
         assert store.epochs(local) == [4, 5, 7, 8]
+
+
+def test_restore_without_a_generation_opens_a_new_one_for_a_single_rank(
+    client: Client, tmp_path: Path
+) -> None:
+    stream = _declare(client, "relaunched", "nvme")
+    local, _ = _tiers(tmp_path)
+    with CheckpointStore(client, stream, 0, local) as store:
+        with pytest.raises(NoRestorePointError):
+            store.restore(timeout=20)  # the first launch: generation 0, nothing yet
+        store.save(1, b"one")
+        client.wait(stream, 1, timeout=20)
+        # The relaunch gets generation 1, not generation 0's final answer (none).
+        assert store.restore(timeout=20) == (1, b"one")
+        assert client.state(stream)["generations"] == [1]
+        assert store.next_generation() == 2
+    two = _declare(client, "two-ranks", "nvme", ranks=2)
+    with pytest.raises(CheckpointError, match="has 2 ranks"):
+        CheckpointStore(client, two, 0, local).restore(timeout=20)
+
+
+def test_a_rerun_from_scratch_does_not_count_retired_epochs_and_trains_on(
+    client: Client, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    stream = _declare(client, "rerun", "nvme")
+    local, _ = _tiers(tmp_path)
+    with CheckpointStore(client, stream, 0, local) as store:
+        for epoch in (1, 2, 3):
+            store.save(epoch, bytes([epoch]))
+        client.wait(stream, 3, timeout=20)
+        _eventually(lambda: client.state(stream)["safe_to_delete"] == [[1, 2]])
+        assert [d.epoch for d in store.gc()] == [1, 2]
+    with CheckpointStore(client, stream, 0, local) as rerun:  # the same script again
+        with caplog.at_level(logging.WARNING, logger="convergenced.integrations.files"):
+            shard = rerun.save(1, b"one, again")
+        assert not shard.committed and shard.path is None
+        assert "epoch 1 was retired from nvme" in caplog.text
+        assert rerun.skipped == [1] and rerun.epochs(local) == [3]
+        assert rerun.save(4, b"four").committed
+        assert client.wait(stream, 4, timeout=20)["recoverable"] == [[3, 4]]
 
 
 def test_gc_before_upload_skips_the_upload(client: Client, tmp_path: Path) -> None:

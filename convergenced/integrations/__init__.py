@@ -8,6 +8,10 @@
   (format, verification, where it lives in a tier, assembling one epoch's shards).
 - `convergenced.integrations.errors`: their errors, one hierarchy under
   `CheckpointError`.
+- `convergenced.integrations.launches`: the recovery generation of a launch, asked by
+  one rank and shared with the others (over a torch process group, or your own way).
+- `convergenced.integrations.torch`: PyTorch state (model, optimizer, scheduler, RNG)
+  on those checkpoints.
 
 Integrations never import a training framework unless it is used.
 """

@@ -15,7 +15,7 @@ so the daemon knows, per domain, what this rank can restore::
         client, "job", rank, Tier("nvme", "/nvme/ckpt"), Tier("s3", "/mnt/bucket/ckpt")
     )
     try:
-        epoch, payload = store.restore(generation)  # the agreed restore point
+        epoch, payload = store.restore()  # a new generation's agreed restore point
         start = load(payload)
     except NoRestorePointError:
         start = fresh()
@@ -57,6 +57,7 @@ re-exported here.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import queue
 import threading
@@ -75,6 +76,7 @@ from convergenced.integrations.errors import (
     ShardUnavailableError,
     UploadError,
 )
+from convergenced.integrations.launches import new_generation, solo_generation
 from convergenced.integrations.recommit import Ledger, Recommitted
 from convergenced.integrations.shards import (
     _EPOCH_DIR,
@@ -112,6 +114,8 @@ __all__ = [
     "shard_path",
     "write_atomic",
 ]
+
+log = logging.getLogger(__name__)
 
 
 # -- durable files --------------------------------------------------------------------
@@ -192,6 +196,8 @@ class CheckpointStore:
         self._thread: threading.Thread | None = None
         self.uploaded: list[int] = []
         """Epochs uploaded and committed to the remote tier, in order (for progress)."""
+        self.skipped: list[int] = []
+        """Epochs `save` did not count: this rank's daemon had retired them (see `save`)."""
         self.swept = self._sweep_temp_files()
         """Temporary files of this rank left by a crash mid-write, removed at start."""
         self.ledger = Ledger(client, stream, rank, self._locate, self._listing)
@@ -274,8 +280,12 @@ class CheckpointStore:
         acknowledged the commit (durable in its log). The upload to the remote tier,
         if any, happens in the background.
 
+        An epoch the daemon retired (a job gone back to an older epoch or to scratch)
+        is not counted again: its shard is removed, the epoch added to `skipped`, a
+        warning logged, and the shard returned has ``committed`` false.
+
         Raises:
-            ApiError: the daemon refused the commit (unknown stream, retired epoch...).
+            ApiError: the daemon refused the commit (unknown stream, unknown rank...).
             DaemonUnreachable: the daemon cannot be reached within the reconnect bound.
             OSError: the local write failed (nothing was committed).
         """
@@ -287,14 +297,30 @@ class CheckpointStore:
         path = self.path(self.local, epoch)
         write_atomic(path, data)
         self.ledger.remember(self.local.domain, epoch, digest, size)
-        self.client.commit(
-            self.stream, self.rank, self.local.domain, epoch, digest=digest, size=size
-        )
+        try:
+            self.client.commit(
+                self.stream, self.rank, self.local.domain, epoch, digest=digest, size=size
+            )
+        except ApiError as exc:
+            if exc.reason != "retired":
+                raise
+            self._skip_retired(path, epoch, exc)
+            return Shard(self.stream, self.rank, epoch, digest, size, payload, None,
+                         self.local.domain, committed=False)  # fmt: skip
         with self._lock:
             self._collected.discard((self.local.domain, epoch))
         if self.remote is not None:
             self._enqueue(epoch)
         return Shard(self.stream, self.rank, epoch, digest, size, payload, path, self.local.domain)
+
+    def _skip_retired(self, path: Path, epoch: int, refusal: ApiError) -> None:
+        # Other ranks may hold the epoch's earlier content: a new one is not kept.
+        with contextlib.suppress(OSError):
+            path.unlink()
+            path.parent.rmdir()
+        self.ledger.forget(self.local.domain, epoch)
+        self.skipped.append(epoch)
+        log.warning("epoch %d not saved, training goes on: %s", epoch, refusal)
 
     def _enqueue(self, epoch: int) -> None:
         with self._cond:
@@ -476,19 +502,29 @@ class CheckpointStore:
             if exc.kind is not ErrorKind.REJECTED:  # e.g. a rank another node hosts
                 raise
 
-    def restore(self, generation: int, timeout: float | None = None) -> Restored:
+    def next_generation(self, timeout: float | None = None) -> int:
+        """A recovery generation no member has resolved, for a new launch: ask it on one
+        rank and hand it to the others (`convergenced.integrations.launches`)."""
+        return new_generation(self.client, self.stream, timeout)
+
+    def restore(self, generation: int | None = None, timeout: float | None = None) -> Restored:
         """This rank's payload at the agreed restore point of recovery ``generation``.
 
         Returns exactly the agreed epoch or raises: a newer shard on disk, or an older
-        intact one, is never returned instead.
+        intact one, is never returned instead. Every rank of a launch must pass the
+        same generation, one no earlier launch resolved (`next_generation`); None asks
+        for a new one, which only a stream of a single rank may do.
 
         Raises:
+            CheckpointError: ``generation`` is None and the stream has several ranks.
             NoRestorePointError: no epoch is restorable on every member (start fresh).
             RestorePointLostError: the agreed epoch was retracted since.
             ShardUnavailableError: neither tier holds a valid shard of it (the broken
                 copies were retracted; ask again with a newer generation).
             ApiError: see `agreed_epoch`.
         """
+        if generation is None:
+            generation = solo_generation(self.client, self.stream, timeout)
         epoch = self.agreed_epoch(generation, timeout)
         shard = self.read(epoch)
         if shard.epoch != epoch:  # read() verified it; keep the promise explicit

@@ -73,6 +73,9 @@ class Shard:
     payload: Payload
     path: Path | None = None
     domain: str | None = None
+    committed: bool = True
+    """False for a save the daemon did not count (an epoch it had retired; see
+    `CheckpointStore.save`): nothing of it was kept."""
 
 
 # -- encoding -------------------------------------------------------------------------

@@ -13,10 +13,11 @@ In a ``torch.distributed`` job, each rank builds its own checkpointer on a clien
 its own node's daemon and saves its own shard (the full replica under DDP: each rank
 keeps its own RNG states). There is no collective on the save path: a rank that dies
 mid-save leaves the others' saves intact, and the daemons agree on the newest epoch
-every rank finished. After a restart every rank asks for the restore point of the new
-recovery generation (say torchrun's restart count)::
-
-    import os
+every rank finished. After a restart every rank asks for the restore point of a new
+recovery generation: `TorchCheckpointer.restore` without a generation has rank 0 ask
+its daemon for one and broadcasts it over the process group, so a relaunch needs no
+counter from the launcher (torchrun's restart count starts again at 0 with every new
+launch, and reusing it gets an older launch's answer)::
 
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -27,7 +28,6 @@ recovery generation (say torchrun's restart count)::
 
     dist.init_process_group("gloo")  # or nccl
     rank = dist.get_rank()
-    generation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     client = Client()  # this node's daemon ($CONVERGENCED_SOCKET)
     ckpt = TorchCheckpointer(
         client, "job", rank, Tier("nvme", "/nvme/ckpt"), Tier("s3", "/mnt/bucket/ckpt")
@@ -37,7 +37,7 @@ recovery generation (say torchrun's restart count)::
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1000)
     try:
         epoch, extra = ckpt.restore(
-            generation, model=model, optimizer=optimizer, scheduler=scheduler, timeout=300
+            model=model, optimizer=optimizer, scheduler=scheduler, timeout=300
         )
         start = extra["step"]
     except NoRestorePointError:
@@ -103,6 +103,7 @@ from convergenced.integrations.errors import (
     ShardUnavailableError,
 )
 from convergenced.integrations.files import CheckpointStore, DaemonClient, Deleted, Tier
+from convergenced.integrations.launches import shared_generation
 from convergenced.integrations.shards import Shard, load_consistent
 
 __all__ = [
@@ -337,7 +338,7 @@ class TorchCheckpointer:
 
         ckpt = TorchCheckpointer(Client(), "job", 0, Tier("nvme", "/tmp/ckpt"))
         ckpt.save(10, model=model, optimizer=opt, extra={"step": 10})
-        epoch, extra = ckpt.restore(1, model=model, optimizer=opt)  # generation 1
+        epoch, extra = ckpt.restore(model=model, optimizer=opt)  # a new generation
         ckpt.close()
 
     The checkpointer is thread-safe as far as the store is; use it as a context
@@ -371,6 +372,8 @@ class TorchCheckpointer:
         """The underlying store (paths, `CheckpointStore.read`, `CheckpointStore.flush`...)."""
         self.restored_from: str | None = None
         """The domain the last `restore` read its shard from."""
+        self.generation: int | None = None
+        """The recovery generation the last `restore` asked for."""
 
     @property
     def stream(self) -> str:
@@ -400,8 +403,11 @@ class TorchCheckpointer:
         the shard is fsynced on the local tier and the daemon acknowledged the commit;
         the upload to the remote tier follows in the background. No collective.
 
+        An epoch the daemon retired is not counted again (``committed`` false in the
+        shard returned; see `CheckpointStore.save`).
+
         Raises:
-            ApiError: the daemon refused the commit (unknown stream, retired epoch...).
+            ApiError: the daemon refused the commit (unknown stream, unknown rank...).
             DaemonUnreachable: the daemon cannot be reached.
             OSError: the local write failed (nothing was committed).
         """
@@ -411,7 +417,7 @@ class TorchCheckpointer:
 
     def restore(
         self,
-        generation: int,
+        generation: int | None = None,
         *,
         model: Stateful,
         optimizer: Stateful | None = None,
@@ -419,20 +425,28 @@ class TorchCheckpointer:
         timeout: float | None = None,
         map_location: Any = "cpu",
         weights_only: bool = True,
+        group: Any = None,
     ) -> TorchRestored:
-        """Load the agreed restore point of recovery ``generation`` into the objects given.
+        """Load the agreed restore point of a recovery generation into the objects given.
 
-        Every rank of the job must call it with the same ``generation`` (the answer
-        comes once every member asked). Restores the model, the optimizer and
-        scheduler when given, and the RNG states; returns the epoch and ``extra``.
-        The checkpoint is read and verified in full before anything is modified.
+        Every rank of the job calls it, with the same ``generation`` (the answer comes
+        once every member asked). Restores the model, the optimizer and scheduler when
+        given, and the RNG states; returns the epoch and ``extra``. The checkpoint is
+        read and verified in full before anything is modified.
 
         Args:
-            generation: the recovery generation (grows with each restart).
+            generation: the recovery generation; None (the default): a new one, asked
+                by rank 0 of ``group`` and broadcast to the other ranks
+                (`convergenced.integrations.launches.shared_generation`, a
+                collective), so every launch gets one no earlier launch resolved. An
+                explicit number must be the same on every rank and new for each
+                launch (a launcher's restart counter is not: it starts again at 0).
             timeout: seconds to wait for every member to ask.
             map_location: as for ``torch.load`` (default ``"cpu"``;
                 ``load_state_dict`` copies to the parameters' devices).
             weights_only: as for ``torch.load``; see the module docstring.
+            group: the process group that shares a new generation (None: the default
+                group; a single process without one opens its own).
 
         Raises:
             NoRestorePointError: no epoch is restorable on every member: start fresh.
@@ -444,6 +458,10 @@ class TorchCheckpointer:
                 state of an ``optimizer`` or ``scheduler`` given.
             ApiError: see `CheckpointStore.agreed_epoch`.
         """
+        if generation is None:
+            generation = shared_generation(self.store.client, self.stream, group=group,
+                                           timeout=timeout)  # fmt: skip
+        self.generation = generation
         epoch = self.store.agreed_epoch(generation, timeout)
         shard = self.store.read(epoch)  # local, else remote; broken copies retracted
         if shard.epoch != epoch:  # read() verified it; keep the promise explicit
