@@ -658,12 +658,14 @@ OP_ARGS: dict[str, tuple[str, ...]] = {
     "status": (),
     "streams": (),
     "declare": ("spec",),
+    "undeclare": ("stream",),
     "commit": ("stream", "rank", "domain", "epoch", "digest", "size"),
     "retract": ("stream", "rank", "domain", "epoch"),
     "retire": ("stream", "rank", "domain", "epoch"),
     "state": ("stream",),
     "wait": ("stream", "epoch", "timeout"),
     "restore_point": ("stream", "generation", "timeout"),
+    "next_generation": ("stream", "timeout"),
     "watch": ("stream",),
     "cancel": ("target",),
 }
@@ -888,7 +890,7 @@ def unix_cases(draw: st.DrawFn, *, many: bool) -> tuple[bytes, bool]:
 
 # -- the local API oracle --------------------------------------------------------------------
 
-TASK_OPS = {"status", "streams", "state", "wait", "restore_point", "watch"}
+TASK_OPS = {"status", "streams", "state", "wait", "restore_point", "next_generation", "watch"}
 
 
 @dataclass
