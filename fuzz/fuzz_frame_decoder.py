@@ -82,11 +82,15 @@ WIRE_REASONS = frozenset(
     }
 )
 """The codec's reasons (PROTOCOL.md section 16; the link-level ones cannot come from it)."""
-API_REASONS = frozenset({"bad_request", "unknown_op", "bad_spec", "frame_too_large", "undecodable"})
+API_REASONS = frozenset(
+    {"bad_request", "unknown_op", "bad_spec", "frame_too_large", "undecodable", "too_many_objects"}
+)
 """Reasons of parse errors of the local API (LOCAL_API.md)."""
 
 WIRE_LIMITS = wire.WireLimits()
 API_MAX_FRAME = 1 << 20
+API_BUDGET = codec.DecodeBudget.for_requests(4096)
+"""The decode budget of a daemon with the default limits.max_members."""
 
 
 class Finding(AssertionError):
@@ -172,7 +176,7 @@ def _round_trip(kind: MessageType, message: Message) -> None:
 
 def check_api(payload: bytes, chunk: int) -> None:
     """Feed ``payload`` to the local API reader and parse every request."""
-    reader = codec.FrameReader(API_MAX_FRAME)
+    reader = codec.FrameReader(API_MAX_FRAME, budget=API_BUDGET)  # as the daemon reads
     try:
         for piece in _chunks(payload, chunk):
             for obj in reader.feed(piece):
