@@ -31,11 +31,12 @@ from convergenced.client_protocol import (
     Outage,
     Reconnected,
     closes_for_good,
+    declare_args,
     default_socket,
     going_away,
     reconnect_bound,
+    redeclaration,
     result_of,
-    spec_wire,
 )
 from convergenced.core import local_api_codec as codec
 from convergenced.core.local_api_codec import ApiError, ErrorKind
@@ -253,9 +254,9 @@ class AsyncClient:
         self._attach(stream)
         try:
             incarnation = (await self.call("status")).get("incarnation")
-            for name, spec in list(self._declared.items()):
+            for name, args in list(self._declared.items()):
                 try:
-                    await self.call("declare", spec=spec)
+                    await self.call("declare", **args)
                 except ApiError as exc:
                     log.warning("stream %r cannot be declared again: %s", name, exc)
                     self._declared.pop(name, None)
@@ -389,11 +390,14 @@ class AsyncClient:
         """See `Client.streams`."""
         return list(await self.call("streams"))
 
-    async def declare(self, spec: StreamSpec | Mapping[str, Any]) -> dict[str, Any]:
+    async def declare(
+        self, spec: StreamSpec | Mapping[str, Any], *, allow_unknown_members: bool = False
+    ) -> dict[str, Any]:
         """See `Client.declare` (declared again after a reconnect)."""
-        wire = spec_wire(spec)
-        result = dict(await self.call("declare", spec=wire))
-        self._declared[str(result.get("stream", wire.get("name")))] = wire
+        args = declare_args(spec, allow_unknown_members)
+        result = dict(await self.call("declare", **args))
+        name = str(result.get("stream", args["spec"].get("name")))
+        self._declared[name] = redeclaration(self._declared.get(name), args)
         return result
 
     async def undeclare(self, stream: str) -> dict[str, Any]:

@@ -44,10 +44,10 @@ from convergenced.client_connection import Connection, Lost, ReconnectHook, Requ
 from convergenced.client_protocol import (
     DaemonUnreachable,
     Reconnected,
+    declare_args,
     default_socket,
     reconnect_bound,
     result_of,
-    spec_wire,
 )
 from convergenced.core.local_api_codec import ApiError, ErrorKind
 from convergenced.core.spec import StreamSpec
@@ -147,15 +147,19 @@ class Client:
         """Streams declared on this node."""
         return list(self.call("streams"))
 
-    def declare(self, spec: StreamSpec | Mapping[str, Any]) -> dict[str, Any]:
+    def declare(
+        self, spec: StreamSpec | Mapping[str, Any], *, allow_unknown_members: bool = False
+    ) -> dict[str, Any]:
         """Declare a stream (idempotent; a different spec under the same name is refused).
 
-        The client declares it again after reconnecting to its daemon, so a daemon
-        that lost its state knows the stream before anything else is sent again.
+        A member that is neither a peer of the daemon nor in its trust list is refused
+        (``unknown_member``) unless ``allow_unknown_members`` (a node not configured
+        yet). The client declares it again after reconnecting to its daemon, so a
+        daemon that lost its state knows the stream before anything else is sent again.
         """
-        wire = spec_wire(spec)
-        result = dict(self.call("declare", spec=wire))
-        self._connection.declared(str(result.get("stream", wire.get("name"))), wire)
+        args = declare_args(spec, allow_unknown_members)
+        result = dict(self.call("declare", **args))
+        self._connection.declared(str(result.get("stream", args["spec"].get("name"))), args)
         return result
 
     def undeclare(self, stream: str) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from convergenced.client_protocol import (
     Reconnected,
     closes_for_good,
     going_away,
+    redeclaration,
     result_of,
 )
 from convergenced.core import local_api_codec as codec
@@ -130,7 +131,8 @@ class Connection:
         """Requests sent and not answered yet, by id (ids are never reused, so a
         request sent again keeps its id)."""
         self._declared: dict[str, Any] = {}
-        """The specs declared through this client, declared again after a reconnect."""
+        """The declarations made through this client (their arguments), made again
+        after a reconnect."""
         self._hooks: list[ReconnectHook] = []
         self._incarnation: int | None = None
         """The daemon's incarnation, as last learned at a reconnect (None: not yet)."""
@@ -282,9 +284,9 @@ class Connection:
         self._start_reader(sock)
         try:
             incarnation = self.call("status").get("incarnation")
-            for name, spec in list(self._declared.items()):
+            for name, args in list(self._declared.items()):
                 try:
-                    self.call("declare", spec=spec)
+                    self.call("declare", **args)
                 except ApiError as exc:
                     log.warning("stream %r cannot be declared again: %s", name, exc)
                     with self._cond:
@@ -408,10 +410,11 @@ class Connection:
         finally:
             self.forget(rid)
 
-    def declared(self, name: str, spec: Any) -> None:
-        """Remember a spec the daemon accepted, to declare it again after a reconnect."""
+    def declared(self, name: str, args: dict[str, Any]) -> None:
+        """Remember a declaration the daemon accepted (the request's arguments), to
+        declare it again after a reconnect."""
         with self._cond:
-            self._declared[name] = spec
+            self._declared[name] = redeclaration(self._declared.get(name), args)
 
     def undeclared(self, name: str) -> None:
         """Forget a spec: the stream was undeclared, a reconnect must not declare it."""

@@ -54,9 +54,11 @@ __all__ = [
     "Outage",
     "Reconnected",
     "closes_for_good",
+    "declare_args",
     "default_socket",
     "going_away",
     "reconnect_bound",
+    "redeclaration",
     "result_of",
     "spec_wire",
 ]
@@ -78,6 +80,26 @@ def default_socket() -> Path:
 def spec_wire(spec: StreamSpec | Mapping[str, Any]) -> Any:
     """A spec as the ``declare`` request carries it."""
     return spec.to_wire() if isinstance(spec, StreamSpec) else dict(spec)
+
+
+def declare_args(
+    spec: StreamSpec | Mapping[str, Any], allow_unknown_members: bool = False
+) -> dict[str, Any]:
+    """The arguments of a ``declare`` request: what the client sends, and sends again
+    after a reconnect (the flag is left out unless set, as older daemons expect)."""
+    args: dict[str, Any] = {"spec": spec_wire(spec)}
+    if allow_unknown_members:
+        args["allow_unknown_members"] = True
+    return args
+
+
+def redeclaration(before: Mapping[str, Any] | None, args: dict[str, Any]) -> dict[str, Any]:
+    """What to declare again after a reconnect, once ``args`` were accepted: a
+    declaration of the same spec that allowed unknown members still does (the later
+    one, without the flag, was a repeat), so a daemon that lost its state takes it."""
+    if before and before.get("allow_unknown_members") and before["spec"] == args["spec"]:
+        return args | {"allow_unknown_members": True}
+    return args
 
 
 def result_of(reply: Mapping[str, Any]) -> Any:

@@ -191,3 +191,34 @@ def test_the_rules_hold_after_log_compaction_and_a_restart() -> None:
         assert m.refusal(Commit("job", 0, "nvme", 6, C, 6)) == "digest_conflict"
         assert not m.admission.submit(Commit("job", 0, "nvme", 5, B, 5)).repeat  # supersedes
         assert m.sync() == [Commit("job", 0, "nvme", 5, B, 5)]
+
+
+# -- members ------------------------------------------------------------------------
+
+TRIO = StreamSpec.create("trio", {"a": [0], "b": [1], "typo": [2]}, Policy.all_of("nvme"))
+
+
+def in_cluster(*nodes: str) -> Node:
+    n = Node()
+    n.admission.cluster = frozenset(nodes)
+    return n
+
+
+def test_a_declaration_naming_a_member_outside_the_cluster_is_refused() -> None:
+    n = in_cluster("a", "b")
+    assert n.refusal(Declare(TRIO)) == "unknown_member"
+    assert n.sync() == [] and "trio" not in n.core.streams()
+
+
+def test_a_member_not_configured_yet_is_taken_when_the_declaration_allows_it() -> None:
+    n = in_cluster("a", "b")
+    assert not n.admission.submit(Declare(TRIO), allow_unknown_members=True).repeat
+    assert n.sync() == [Declare(TRIO)]
+    # Sent again by a reconnecting client without the flag: still the same stream.
+    assert n.admission.submit(Declare(TRIO)).repeat
+
+
+def test_members_of_the_cluster_are_taken() -> None:
+    n = in_cluster("a", "b", "typo")
+    n.admission.submit(Declare(TRIO))
+    assert n.sync() == [Declare(TRIO)]

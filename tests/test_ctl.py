@@ -221,6 +221,16 @@ def test_declare_inline(ctl: Ctl, c1: Client) -> None:
     assert first == second
 
 
+def test_declare_of_a_member_outside_the_cluster_needs_allow_unknown_members(ctl: Ctl) -> None:
+    args = ("declare", "spare", "--member", "node-1=0", "--member", "node-9=1", "--all-of", "nvme")
+    code, out, err = ctl(*args)
+    assert (code, out) == (1, "")
+    assert "unknown_member" in err and "node-9" in err
+    code, out, err = ctl(*args, "--allow-unknown-members")
+    assert (code, err) == (0, "")
+    assert out.startswith("declared spare (spec ")
+
+
 def test_declare_from_json_and_toml_spec_files(ctl: Ctl, tmp_path: Path) -> None:
     spec = {
         "name": "fromfile",

@@ -92,3 +92,44 @@ def test_commits_in_65_domains_never_cut_a_link() -> None:
             metrics = resp.read().decode()
         assert "tier" not in metrics  # labels stay bounded by the declared specs
         assert 'convergenced_commits_total{domain="other",outcome="rejected"} 65.0' in metrics
+
+
+def test_a_declaration_naming_a_node_outside_the_cluster_is_refused_unless_allowed() -> None:
+    with LocalCluster(2) as cluster:
+        cluster.start_all()
+        c = cluster.client(1, reconnect=20)
+        spec = cluster.spec("job") | {"members": {"node-1": [0], "node-2": [1], "nod-3": [2]}}
+        with pytest.raises(ApiError) as info:
+            c.declare(spec)
+        assert info.value.reason == "unknown_member" and "nod-3" in str(info.value)
+        assert c.streams() == []
+        assert c.declare(spec, allow_unknown_members=True)["stream"] == "job"
+        assert c.declare(spec)["stream"] == "job"  # declared: the same spec again
+        assert c.status()["counters"]["api_errors_unknown_member"] == 1
+        # A daemon that lost its state gets the declaration again, flag and all.
+        cluster.kill(1, signal.SIGKILL)
+        state = cluster.dir / "node-1" / "state"
+        for f in state.iterdir():
+            if f.is_file():
+                f.unlink()
+        cluster.start(1)
+        until(lambda: c.streams() == ["job"], what="declared again after the reconnect")
+        assert "api_errors_unknown_member" not in c.status()["counters"]
+
+
+def test_a_reload_that_adds_a_peer_lets_a_declaration_name_it() -> None:
+    with LocalCluster(3, insecure=True) as cluster:  # no trust list: the peers alone
+        cfg = cluster.configs[0]
+        full = cfg.read_text()
+        first = full.index("[[peers]]")
+        cfg.write_text(full[: full.index("[[peers]]", first + 1)])  # node-1 knows node-2 only
+        cluster.start_all()
+        c = cluster.client(1)
+        spec = cluster.spec("job")
+        with pytest.raises(ApiError) as info:
+            c.declare(spec)
+        assert info.value.reason == "unknown_member" and "node-3" in str(info.value)
+        cfg.write_text(full)
+        cluster.procs[1].send_signal(signal.SIGHUP)
+        until(lambda: "configuration reloaded" in cluster.log(1), what="reload")
+        assert c.declare(spec)["stream"] == "job"

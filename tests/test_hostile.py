@@ -657,7 +657,7 @@ def either(good: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
 OP_ARGS: dict[str, tuple[str, ...]] = {
     "status": (),
     "streams": (),
-    "declare": ("spec",),
+    "declare": ("spec", "allow_unknown_members"),
     "undeclare": ("stream",),
     "commit": ("stream", "rank", "domain", "epoch", "digest", "size"),
     "retract": ("stream", "rank", "domain", "epoch"),
@@ -725,6 +725,7 @@ GOOD_ARGS: dict[str, st.SearchStrategy[Any]] = {
     "generation": st.integers(0, 4),
     "size": st.integers(0, 2**40),
     "digest": st.text(max_size=300),
+    "allow_unknown_members": st.booleans(),
     "timeout": st.one_of(st.none(), st.floats(0, 0.2), st.just(604801)),
     "target": st.integers(0, 8),
     "spec": specs(),

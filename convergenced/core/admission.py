@@ -12,6 +12,9 @@ copy of them. The rules on top of the core's own checks:
 
 * a declaration may name at most ``max_members`` members, and a node holds at most
   ``max_streams`` streams (both from the configuration's limits);
+* a new declaration names only members of the cluster (this node, its configured
+  peers, the trust list), unless the request allows unknown members explicitly
+  (``unknown_member``);
 * a commit, retraction or retirement names a domain of the stream's policy
   (``unknown_domain`` otherwise: a typo such as ``nvm`` would add a column to
   ``state``, a label to the metrics and an entry to the record, which peers refuse
@@ -31,6 +34,7 @@ copy of them. The rules on top of the core's own checks:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,19 +82,27 @@ class Admission:
         *,
         max_streams: int = DEFAULT_MAX_STREAMS,
         max_members: int = DEFAULT_MAX_MEMBERS,
+        cluster: Iterable[str] | None = None,
     ) -> None:
         self.node = node
         self.gate = gate
         self.max_streams = max_streams
         self.max_members = max_members
+        self.cluster = None if cluster is None else frozenset(cluster)
+        """The nodes of the cluster, this one included (None: any member goes)."""
 
-    def submit(self, fact: Fact) -> Admitted:
+    def submit(self, fact: Fact, *, allow_unknown_members: bool = False) -> Admitted:
         """Admit, apply and log ``fact``; return the reply for when it is durable.
+
+        ``allow_unknown_members``: a declaration may name members outside the cluster
+        (nodes not configured yet).
 
         Raises:
             ApiError: ``rejected`` with the reason; nothing changed.
         """
         self._admit(fact)
+        if isinstance(fact, Declare) and not allow_unknown_members:
+            self._members_known(fact)
         try:
             if self._repeats(fact):
                 return Admitted(self._reply(fact), repeat=True)
@@ -141,6 +153,24 @@ class Admission:
             self.node.spec(stream)
         except FactError as exc:
             raise rejected(exc) from None
+
+    def _members_known(self, fact: Declare) -> None:
+        """Refuse a new declaration naming a member outside the cluster: no peer of
+        ours would ever link it (or accept its records), so the stream could never
+        converge. A stream declared here already is left alone (sent again by a
+        reconnecting client, or a conflict found later)."""
+        if self.cluster is None or fact.spec.name in self.node.streams():
+            return
+        unknown = sorted(set(fact.spec.member_ids) - self.cluster)
+        if unknown:
+            raise ApiError(
+                ErrorKind.REJECTED,
+                "unknown_member",
+                f"stream {fact.spec.name!r}: {', '.join(unknown[:8])}"
+                f"{' and others' if len(unknown) > 8 else ''} not in this cluster (neither "
+                "a configured peer nor in the trust list); declare with "
+                "allow_unknown_members to name a node not configured yet",
+            )
 
     def _named_domain(self, fact: Commit | Retract | Retire) -> None:
         """Refuse a fact about a domain the stream's policy does not name: it could

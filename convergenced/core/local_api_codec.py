@@ -44,7 +44,7 @@ from convergenced.core.limits import MAX_DIGEST_CHARS, MAX_RANKS_PER_MEMBER
 from convergenced.core.node import GenerationAnswer, StreamStatus
 from convergenced.core.packing import UnpackError, UnpackLimits, pack, unpack_strict
 from convergenced.core.spec import StreamSpec
-from convergenced.core.validate import INT64_MAX, as_int, as_map, as_name, as_str
+from convergenced.core.validate import INT64_MAX, as_bool, as_int, as_map, as_name, as_str
 from convergenced.errors import ConvergencedError
 
 LENGTH = struct.Struct(">I")
@@ -334,10 +334,12 @@ def _timeout(a: Mapping[Any, Any], p: str) -> float | None:
 
 
 def _declare(a: Mapping[Any, Any], p: str) -> dict[str, Any]:
+    allow = as_bool(a.get("allow_unknown_members", False), f"{p}.allow_unknown_members")
     try:
-        return {"fact": Declare(StreamSpec.from_wire(a.get("spec")))}
+        fact = Declare(StreamSpec.from_wire(a.get("spec")))
     except SpecError as exc:
         raise bad_request(f"{p}.{exc}", "bad_spec") from None
+    return {"fact": fact, "allow_unknown_members": allow}
 
 
 def _undeclare(a: Mapping[Any, Any], p: str) -> dict[str, Any]:
@@ -376,7 +378,7 @@ _OPS: dict[str, tuple[Any, tuple[str, ...]]] = {
     # op: (parser, allowed argument names)
     "status": (_none, ()),
     "streams": (_none, ()),
-    "declare": (_declare, ("spec",)),
+    "declare": (_declare, ("spec", "allow_unknown_members")),
     "undeclare": (_undeclare, ("stream",)),
     "commit": (_epoch_fact(Commit), ("stream", "rank", "domain", "epoch", "digest", "size")),
     "retract": (_epoch_fact(Retract), ("stream", "rank", "domain", "epoch")),

@@ -99,7 +99,7 @@ COMMANDS: dict[str, Command] = {
     "streams": Command(lambda c, a: c.streams(), lambda r, a: "\n".join(r)),
     "state": Command(lambda c, a: c.state(a.stream), lambda r, a: format_state(r)),
     "declare": Command(
-        lambda c, a: c.declare(a.spec_value),
+        lambda c, a: c.declare(a.spec_value, allow_unknown_members=a.allow_unknown_members),
         lambda r, a: f"declared {r['stream']} (spec {r['digest'][:16]})",
     ),
     "undeclare": Command(

@@ -276,6 +276,11 @@ def _add_declare(add: Callable[[str, str, str], argparse.ArgumentParser]) -> Non
     p.add_argument(
         "--retention", type=_natural, metavar="K", help="epochs kept below the restore point"
     )
+    p.add_argument(
+        "--allow-unknown-members",
+        action="store_true",
+        help="accept members that are not (yet) peers or in the trust list of this node",
+    )
 
 
 def _add_facts(add: Callable[[str, str, str], argparse.ArgumentParser]) -> None:

@@ -51,7 +51,7 @@ from convergenced.daemon.notify import Notifier
 from convergenced.daemon.peers.manager import link_config
 from convergenced.daemon.peers.security import PeerSecurity, load_security
 from convergenced.daemon.telemetry import Telemetry
-from convergenced.daemon.wiring import Running, assemble
+from convergenced.daemon.wiring import Running, assemble, cluster_members
 from convergenced.errors import StartupError
 
 __all__ = ["Daemon", "StartupError"]
@@ -412,6 +412,7 @@ class Daemon:
         if new.log_level != old.log_level:
             logs.configure(new.log_level, old.node_id, json=self.log_json)
         r.commits.compact_bytes = kept.wal_compact_bytes
+        r.operations.admission.cluster = cluster_members(kept)
         r.hub.link_config = link_config(kept)
         self._prime_metrics()
         r.peers.start_dialers(self._nursery, kept)

@@ -150,6 +150,12 @@ def incarnation_after(entries: list[Entry], floor: int = 0) -> int:
     return 1 + max([floor, *(e.number for e in entries if isinstance(e, Incarnation))])
 
 
+def cluster_members(cfg: Config) -> frozenset[str]:
+    """The nodes a stream declared here may name as members: this node, its peers and
+    its trust list (`core.admission`; a reload updates it)."""
+    return frozenset({cfg.node_id, *(p.node_id for p in cfg.peers), *(n for n, _ in cfg.trust)})
+
+
 def assemble(
     cfg: Config,
     log: FactLog,
@@ -182,7 +188,8 @@ def assemble(
     hub = PeerHub(node, gate, commits.durable, link_config(cfg), telemetry,
                   tick_seconds=cfg.tick_ms / 1000)  # fmt: skip
     admission = Admission(node, gate, max_streams=cfg.limits.max_streams,
-                          max_members=cfg.limits.max_members)  # fmt: skip
+                          max_members=cfg.limits.max_members,
+                          cluster=cluster_members(cfg))  # fmt: skip
 
     def status() -> dict[str, Any]:
         return running.status()  # bound below, before anyone can ask

@@ -76,7 +76,7 @@ class SimNode:
         """Whether the daemon is running."""
         return self.core is not None
 
-    def boot(self, links: list[str]) -> list[NodeEvent]:
+    def boot(self, links: list[str], cluster: list[str]) -> list[NodeEvent]:
         """Start a life: a new core from the log, behind a new gate, as the daemon's
         start-up does (its incarnation above every one on the disk and the floor beside
         its key, and durable before anything else; a disk without one means a first
@@ -92,7 +92,7 @@ class SimNode:
         self.durable.append(Incarnation(core.incarnation))
         self.core = core
         self.gate = OutputGate(core)
-        self.admission = Admission(core, self.gate)
+        self.admission = Admission(core, self.gate, cluster=cluster)
         self.writing = None
         self.polled_seq = -1
         self.replies = []

@@ -221,7 +221,7 @@ class Simulation:
         self.faults.skew_clocks()
         for nid in self.ids:
             node = self.nodes[nid]
-            node.boot(self.peers[nid])
+            node.boot(self.peers[nid], self.ids)
             loop.at(rng.randint(0, 20_000), self._declare, nid)
             loop.at(rng.randint(0, self.cfg.tick_us), self._tick, nid, node.lives)
         for a, b in self.pairs:
@@ -431,7 +431,7 @@ class Simulation:
         if node.up:
             return
         lost = not node.durable
-        node.boot(self.peers[nid])
+        node.boot(self.peers[nid], self.ids)
         node.paused_until = 0
         loop = self.loop
         core = node.core

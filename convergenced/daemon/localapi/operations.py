@@ -77,17 +77,18 @@ class LocalOperations:
 
     # -- facts ------------------------------------------------------------------
 
-    def submit(self, fact: Fact) -> dict[str, Any]:
+    def submit(self, fact: Fact, *, allow_unknown_members: bool = False) -> dict[str, Any]:
         """Admit, apply and log ``fact``; the reply acknowledges it once durable.
 
         A fact the node holds already (sent again) is acknowledged the same way, and
-        neither applied, logged nor counted again (`core.admission`).
+        neither applied, logged nor counted again (`core.admission`), which also says
+        what ``allow_unknown_members`` allows.
 
         Raises:
             ApiError: ``rejected``; nothing changed.
         """
         try:
-            admitted = self.admission.submit(fact)
+            admitted = self.admission.submit(fact, allow_unknown_members=allow_unknown_members)
         except ApiError:
             stream = getattr(fact, "stream", None)
             declared = stream in self.node.streams()
@@ -289,12 +290,16 @@ def _fact(ops: LocalOperations, a: Args, emit: Emit) -> Any:
     return ops.submit(a["fact"])
 
 
+def _declare(ops: LocalOperations, a: Args, emit: Emit) -> Any:
+    return ops.submit(a["fact"], allow_unknown_members=a["allow_unknown_members"])
+
+
 def _session(ops: LocalOperations, a: Args, emit: Emit) -> Any:
     raise AssertionError("answered by the session itself")  # pragma: no cover
 
 
 OPERATIONS: dict[str, Operation] = {
-    "declare": Operation(OpKind.FACT, _fact),
+    "declare": Operation(OpKind.FACT, _declare),
     "undeclare": Operation(OpKind.FACT, _fact),
     "commit": Operation(OpKind.FACT, _fact),
     "retract": Operation(OpKind.FACT, _fact),
