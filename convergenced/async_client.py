@@ -377,9 +377,10 @@ class AsyncClient:
                 pass
 
     def add_reconnect_hook(self, hook: AsyncReconnectHook) -> None:
-        """Await ``hook`` after each reconnect to a daemon of another incarnation,
-        before the unanswered requests are sent again and before any other call goes
-        through (see `Client.add_reconnect_hook`)."""
+        """Await ``hook`` after each reconnect to a daemon of another incarnation than
+        the last reconnect found (the first reconnect always awaits it), before the
+        unanswered requests are sent again and before any other call goes through
+        (see `Client.add_reconnect_hook`)."""
         self._hooks.append(hook)
 
     async def status(self) -> dict[str, Any]:

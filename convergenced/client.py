@@ -113,12 +113,13 @@ class Client:
         return self._connection.call(op, **args)
 
     def add_reconnect_hook(self, hook: ReconnectHook) -> None:
-        """Call ``hook`` after each reconnect to a daemon of another incarnation (it
-        restarted), before the unanswered requests are sent again and before any other
-        call goes through. It runs on the reconnecting thread: its own calls on this
-        client go through, those of other threads wait, so it must not wait for
-        another thread's call. An exception it raises is logged (`DaemonUnreachable`:
-        the reconnect is tried again, hooks included)."""
+        """Call ``hook`` after each reconnect to a daemon of another incarnation than
+        the last reconnect found (it restarted; the first reconnect always calls it:
+        the client did not ask before), before the unanswered requests are sent again
+        and before any other call goes through. It runs on the reconnecting thread: its
+        own calls on this client go through, those of other threads wait, so it must
+        not wait for another thread's call. An exception it raises is logged
+        (`DaemonUnreachable`: the reconnect is tried again, hooks included)."""
         self._connection.add_hook(hook)
 
     def remove_reconnect_hook(self, hook: ReconnectHook) -> None:
