@@ -82,6 +82,9 @@ class FaultTarget(Protocol):
     def restart(self, nid: str) -> None:
         """Start ``nid``'s daemon again from its log."""
 
+    def would_forget_everything(self, nid: str) -> bool:
+        """Whether no member would remember the stream if ``nid`` lost its state."""
+
     def lose_state(self, nid: str, *, floor_too: bool = False) -> None:
         """Kill ``nid``'s daemon and lose its state directory (and, with
         ``floor_too``, the incarnation floor beside its identity key)."""
@@ -201,6 +204,9 @@ class FaultInjector:
         if alive:
             w = self.world
             nid = w.loop.rng.choice(alive)
+            if w.would_forget_everything(nid):
+                w.loop.trace(f"fault lose_state {nid} skipped: no other member remembers")
+                return
             # Three times in ten the incarnation floor goes too (kept beside a key in
             # a volume that died with the pod): the node must rise above its lost
             # life from what its peers tell it.

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, field
 from functools import partial
 
-from convergenced.core.facts import Commit, Declare, Fact, Undeclare
+from convergenced.core.facts import Commit, Declare, Fact, Freeze, Undeclare
 from convergenced.core.link import LinkConfig
 from convergenced.core.local_api_codec import ApiError
 from convergenced.core.node import GenerationResolved, RestorePointChanged
@@ -151,6 +151,10 @@ class Simulation:
         self._want: int | None = None
         self._bytes_at_final = 0
         self.closed_below: dict[str, int] = {}
+        self.ever_frozen: dict[str, set[int]] = {}
+        """Per node, over all its lives: the generations it froze (durably)."""
+        self.amnesiac: set[str] = set()
+        """Nodes that lost their state and have not heard from every member since."""
         self.undeclared: dict[str, bool] = {}
         """Nodes whose job undeclared the stream, until it is declared again."""
         """Per node, over all its lives: generations below this are closed."""
@@ -326,6 +330,8 @@ class Simulation:
     def _durable(self, nid: str, fact: Fact) -> None:
         """``fact`` of ``nid`` is durable: a commit is acknowledged to its rank."""
         self.loop.trace(f"durable {nid} {type(fact).__name__} {getattr(fact, 'epoch', '')}")
+        if isinstance(fact, Freeze):
+            self.ever_frozen.setdefault(nid, set()).add(fact.generation)
         if not isinstance(fact, Commit):
             return
         truth = self.truth
@@ -387,8 +393,20 @@ class Simulation:
         comes back later, from an empty log."""
         self.crash(nid, state_lost=True)
         self.nodes[nid].wipe_disk(floor_too=floor_too)
+        self.amnesiac.add(nid)
         self.truth.retractions += 1  # a loss: the restore point may move back (S3)
         self.loop.trace(f"fault lose_state {nid}{' and floor' if floor_too else ''}")
+
+    def would_forget_everything(self, nid: str) -> bool:
+        """Whether losing ``nid``'s state now would leave no member that remembers the
+        stream's past: every other one lost its state too and has not heard from the
+        others since. Nothing can be recovered then (PROTOCOL.md 13.9), so the
+        ``lose_state`` fault never does that."""
+        for n in list(self.amnesiac):
+            core = self.nodes[n].core
+            if core is not None and STREAM in core.streams() and not core.waiting_to_freeze(STREAM):
+                self.amnesiac.discard(n)  # it heard from the others: it knows again
+        return not set(self.ids) - self.amnesiac - {nid}
 
     def undeclare(self, nid: str, *, keep_checkpoints: bool) -> None:
         """The job on ``nid`` ends and undeclares the stream; a job of the same name
