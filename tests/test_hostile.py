@@ -1650,11 +1650,23 @@ def test_slow_peers_are_cut_off_at_the_handshake_deadline(target: Target) -> Non
             msgs = peer_messages(received)
             assert msgs and isinstance(msgs[0], Hello) and isinstance(msgs[-1], Bye), (how, msgs)
             assert msgs[-1].reason == f"no HELLO within {HANDSHAKE_S:g} s", (how, msgs)
-    after = target.counters(1)
-    refused = counter_delta(before, after, "peer_refused_")
-    turned_away = after.get("peer_connections_refused", 0) - before.get(
-        "peer_connections_refused", 0
-    )
+
+    def cut_off() -> tuple[Counter[str], int, dict[str, int]]:
+        after = target.counters(1)
+        refused = counter_delta(before, after, "peer_refused_")
+        turned_away = after.get("peer_connections_refused", 0) - before.get(
+            "peer_connections_refused", 0
+        )
+        return refused, turned_away, after
+
+    # The daemon counts a connection once it has closed it: the client may see the
+    # close first, so wait for the counts rather than read them once.
+    def counted() -> int:
+        refused, turned_away, _ = cut_off()
+        return sum(refused.values()) + turned_away
+
+    until(lambda: counted() >= 2 + len(crowd), timeout=10, what="every slow connection counted")
+    refused, turned_away, after = cut_off()
     assert set(refused) <= {"tls_handshake_timeout"}
     assert refused["tls_handshake_timeout"] + turned_away == 2 + len(crowd)
     moved = counter_delta(before, after, "peer_rejected_")
