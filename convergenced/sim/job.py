@@ -38,7 +38,6 @@ class JobWorld(Protocol):
     domains: list[DomainModel]
     phase: str
     closed_below: dict[str, int]
-    ever_frozen: dict[str, set[int]]
     resolved_anywhere: int
 
     def submit(self, nid: str, fact: Fact) -> None:
@@ -114,7 +113,9 @@ class Job:
         if w.phase != "safety":
             return
         high_water = {m: w.nodes[m].ever_high_water for m in w.ids}
-        frozen = {m: self.open_frozen(m) for m in w.ids}
+        # Only the deleting node's own open sets: a generation's answer lies in every
+        # member's frozen set, so an epoch outside ours can never be one (S4, 17).
+        frozen = {nid: self.open_frozen(nid)}
         truth, loop = w.truth, w.loop
         for rank in w.spec.ranks_of(nid):
             for d in w.domains:
@@ -129,27 +130,9 @@ class Job:
                     w.submit(nid, Retire(STREAM, rank, d.name, e))
 
     def open_frozen(self, nid: str) -> list[IntervalSet]:
-        """Frozen sets on ``nid``'s disk of generations that no newer resolved one
-        closed there and that can still resolve."""
+        """Frozen sets on ``nid``'s disk of generations no newer resolved one closed."""
         closed = self.world.closed_below.get(nid, 0)
-        frozen = self.world.nodes[nid].durable_frozen.items()
-        return [s for g, s in frozen if g >= closed and self._resolvable(g)]
-
-    def _resolvable(self, generation: int) -> bool:
-        """Whether ``generation`` can still resolve anywhere: no member refuses it for
-        good, having closed it, or frozen a newer one (freezes go forward, 14.1),
-        without freezing it. Otherwise no member can ever hold every frozen set of
-        it, none of them can ever be an answer, and S4 does not need them protected.
-        Should a member freeze it after all, an answer naming a deleted epoch fails
-        S1 where answers are checked."""
-        w = self.world
-        for m in w.ids:
-            frozen = w.ever_frozen.get(m, set())
-            if generation in frozen:
-                continue
-            if generation < w.closed_below.get(m, 0) or any(g > generation for g in frozen):
-                return False
-        return True
+        return [s for g, s in self.world.nodes[nid].durable_frozen.items() if g >= closed]
 
     # -- recovery generations -----------------------------------------------------------
 

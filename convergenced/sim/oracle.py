@@ -202,8 +202,11 @@ class Truth:
         high_water: dict[str, int | None],
         frozen: dict[str, list[IntervalSet]],
     ) -> None:
-        """S4: nothing deleted that a member could still return or that an open
-        generation froze."""
+        """S4: nothing deleted that a member could still return, or that lies in an
+        open frozen set of the deleting node (``frozen``: its own). A generation's
+        answer lies in every member's frozen set, so an epoch outside the deleting
+        node's own sets can never be the answer of one it froze, nor of one it has
+        yet to freeze (what it deleted is no longer in its recoverable set)."""
         limit = None
         for m in self.spec.member_ids:
             hw = high_water.get(m)

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, field
 from functools import partial
 
-from convergenced.core.facts import Commit, Declare, Fact, Freeze, Undeclare
+from convergenced.core.facts import Commit, Declare, Fact, Undeclare
 from convergenced.core.link import LinkConfig
 from convergenced.core.local_api_codec import ApiError
 from convergenced.core.node import GenerationResolved, RestorePointChanged
@@ -151,8 +151,6 @@ class Simulation:
         self._want: int | None = None
         self._bytes_at_final = 0
         self.closed_below: dict[str, int] = {}
-        self.ever_frozen: dict[str, set[int]] = {}
-        """Per node, over all its lives: the generations it froze (durably)."""
         self.amnesiac: set[str] = set()
         """Nodes that lost their state and have not heard from every member since."""
         self.undeclared: dict[str, bool] = {}
@@ -330,8 +328,6 @@ class Simulation:
     def _durable(self, nid: str, fact: Fact) -> None:
         """``fact`` of ``nid`` is durable: a commit is acknowledged to its rank."""
         self.loop.trace(f"durable {nid} {type(fact).__name__} {getattr(fact, 'epoch', '')}")
-        if isinstance(fact, Freeze):
-            self.ever_frozen.setdefault(nid, set()).add(fact.generation)
         if not isinstance(fact, Commit):
             return
         truth = self.truth
