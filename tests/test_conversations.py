@@ -19,7 +19,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from pulled import clear_events, clear_facts, pending_facts
 
-from convergenced.core.facts import Commit, Declare, HighWater
+from convergenced.core.facts import Commit, Declare, HighWater, Horizon
 from convergenced.core.link import Closed, Link, LinkConfig, Role
 from convergenced.core.node import NodeCore
 from convergenced.core.spec import Policy, StreamSpec
@@ -86,8 +86,9 @@ class Network:
 
     def flush(self, node: str) -> None:
         """Poll every link of ``node`` and queue what it sends; check nothing broke."""
-        # The simulated log is instantly durable, so pending high-water facts are done.
-        assert all(isinstance(f, HighWater) for f in pending_facts(self.nodes[node]))
+        # The simulated log is instantly durable, so pending high-water marks and GC
+        # horizons are done.
+        assert all(isinstance(f, HighWater | Horizon) for f in pending_facts(self.nodes[node]))
         clear_facts(self.nodes[node])
         clear_events(self.nodes[node])
         for (owner, peer), link in self.links.items():

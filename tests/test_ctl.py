@@ -348,8 +348,8 @@ def test_next_generation_prints_a_generation_no_member_resolved(
     commit_both(c1, c2, stream, range(1, 3))
     c1.wait(stream, 2, timeout=10)
     code, out, err = ctl("next-generation", stream, "--timeout", "10")
-    assert (code, out, err) == (0, "0\n", "")
-    assert ctl.json("next-generation", stream, node=2) == {"stream": stream, "generation": 0}
+    assert (code, out, err) == (0, "1\n", "")  # above the membership declared, 0
+    assert ctl.json("next-generation", stream, node=2) == {"stream": stream, "generation": 1}
     other: list[dict[str, Any]] = []
     t = threading.Thread(target=lambda: other.append(c2.restore_point(stream, 0, timeout=10)))
     t.start()
@@ -359,9 +359,9 @@ def test_next_generation_prints_a_generation_no_member_resolved(
         t.join()
     # Generation 0 is resolved: the next launch gets 1, whichever node it asks.
     assert ctl("next-generation", stream, node=2)[1] == "1\n"
-    code, out, err = ctl("next-generation", "nosuchstream")
-    assert (code, out) == (1, "")
-    assert err.rstrip().endswith("[unknown_stream]")
+    # A node asks for a stream it has not declared (a spare about to take over ranks):
+    # it answers from the records it holds, here none.
+    assert ctl("next-generation", "nosuchstream")[:2] == (0, "0\n")
 
 
 # -- watch -----------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from convergenced.core.errors import FactError
-from convergenced.core.facts import Commit, Declare, HighWater
+from convergenced.core.facts import Commit, Declare, HighWater, Horizon
 from convergenced.core.gate import OutputGate
 from convergenced.core.node import NodeCore
 from convergenced.core.spec import Policy, StreamSpec
@@ -42,7 +42,8 @@ def test_bytes_queued_during_an_fsync_wait_for_the_next_one() -> None:
     gate.synced(upto)  # the declaration is durable, the commit is not
     assert out.release() == []
     facts, upto = gate.take_unlogged()
-    assert [type(f) for f in facts] == [Commit, HighWater]  # the core's own mark too
+    # The core's own mark too, and the GC horizon it now has.
+    assert [type(f) for f in facts] == [Commit, HighWater, Horizon]
     gate.synced(upto)
     assert out.release() == [b"reveals the commit"]
 

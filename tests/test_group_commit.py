@@ -16,7 +16,7 @@ import trio
 import trio.testing
 from slowdisk import slow_log
 
-from convergenced.core.facts import Commit, Declare, HighWater
+from convergenced.core.facts import Commit, Declare, HighWater, Horizon
 from convergenced.core.node import NodeCore
 from convergenced.core.spec import Policy, StreamSpec
 from convergenced.daemon.durability.entries import Incarnation
@@ -85,7 +85,7 @@ async def test_durable_also_logs_the_cores_own_facts(
     gate.apply(Declare(StreamSpec.create("solo", {"n": [0]}, Policy.all_of("nvme"))))
     gate.apply(Commit("solo", 0, "nvme", 3))  # the restore point rises: a mark to persist
     await commits.durable()
-    assert [type(e) for e in witness.durable] == [Declare, Commit, HighWater]
+    assert [type(e) for e in witness.durable] == [Declare, Commit, HighWater, Horizon]
 
 
 async def test_waiting_for_what_is_durable_does_not_touch_the_disk(

@@ -264,13 +264,13 @@ def test_restore_without_a_generation_opens_a_new_one_for_a_single_rank(
     local, _ = _tiers(tmp_path)
     with CheckpointStore(client, stream, 0, local) as store:
         with pytest.raises(NoRestorePointError):
-            store.restore(timeout=20)  # the first launch: generation 0, nothing yet
+            store.restore(timeout=20)  # the first launch: generation 1, nothing yet
         store.save(1, b"one")
         client.wait(stream, 1, timeout=20)
-        # The relaunch gets generation 1, not generation 0's final answer (none).
+        # The relaunch gets generation 2, not generation 1's final answer (none).
         assert store.restore(timeout=20) == (1, b"one")
-        assert client.state(stream)["generations"] == [1]
-        assert store.next_generation() == 2
+        assert client.state(stream)["generations"] == [2]
+        assert store.next_generation() == 3
     two = _declare(client, "two-ranks", "nvme", ranks=2)
     with pytest.raises(CheckpointError, match="has 2 ranks"):
         CheckpointStore(client, two, 0, local).restore(timeout=20)

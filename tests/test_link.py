@@ -315,7 +315,7 @@ def test_starting_a_closed_link_is_a_local_error() -> None:
 def test_malformed_frame_closes_with_bye_naming_the_reason() -> None:
     link = opened(Role.ACCEPTOR)
     with pytest.raises(RemoteProtocolError) as info:
-        link.receive_data(b"CVGD\x01\x02\x00\x00\x00\x00\x00\x01\xc1")
+        link.receive_data(b"CVGD\x02\x02\x00\x00\x00\x00\x00\x01\xc1")
     assert info.value.reason == "malformed_body"
     assert link.closed
     [bye] = decode_all(link.data_to_send())

@@ -9,7 +9,15 @@ from dataclasses import dataclass
 from pulled import events, pending_facts
 
 from convergenced.core.events import StateLost
-from convergenced.core.facts import Commit, Declare, Fact, Freeze, HighWater, Incarnation
+from convergenced.core.facts import (
+    Commit,
+    Declare,
+    Fact,
+    Freeze,
+    HighWater,
+    Incarnation,
+    Settled,
+)
 from convergenced.core.interval_set import IntervalSet
 from convergenced.core.link import Link, LinkConfig, Role
 from convergenced.core.node import NodeCore
@@ -84,7 +92,7 @@ def test_it_rises_above_its_last_life_and_adopts_its_mark_and_frozen_sets() -> N
     assert a.incarnation == 4
     assert StateLost(3, 4) in events(a)
     facts = pending_facts(a)
-    assert Incarnation(4) in facts
+    assert Incarnation(4, unsure=True) in facts
     assert any(isinstance(f, HighWater) and f.epoch == 5 for f in facts)
     assert Freeze(STREAM, 1, old_set) in facts
     mine = a.own_record(STREAM)
@@ -95,6 +103,29 @@ def test_it_rises_above_its_last_life_and_adopts_its_mark_and_frozen_sets() -> N
     assert b.view.get((STREAM, "a")) == mine
     # Generation 1 keeps its inputs, so a answers what b answered (S2).
     assert a.generation(STREAM, 1).restore_point == b.generation(STREAM, 1).restore_point == 5
+
+
+def test_a_crash_before_it_heard_from_every_member_leaves_it_unsure() -> None:
+    """Its log then holds nothing of its past: a restart from that log must wait and
+    learn it again, not act as if the log were all there was (the simulator found a
+    node handing out a generation already resolved)."""
+    b, a, old_set = a_life_that_froze_and_was_lost()
+    log: list[Fact] = [a.incarnation_fact(), Declare(SPEC), *pending_facts(a)]
+    assert log[0] == Incarnation(1, unsure=True)
+    again = NodeCore("a", 2)  # a log exists: the daemon starts it as knowing its past
+    again.replay(log)
+    assert again.waiting_to_freeze(STREAM) == ("b",)
+    assert again.next_generation(STREAM) is None and again.freeze_fact(STREAM, 2) is None
+    hello(again, b)
+    again.receive(list(b.view), via="b")
+    assert again.waiting_to_freeze(STREAM) == ()
+    facts = pending_facts(again)
+    assert Freeze(STREAM, 1, old_set) in facts and Settled(STREAM) in facts
+    assert again.next_generation(STREAM) == 2
+    # Once settled, the next restart knows its past and waits for no one.
+    third = NodeCore("a", 5)
+    third.replay([*log, *facts])
+    assert third.waiting_to_freeze(STREAM) == () and third.incarnation_fact().unsure is False
 
 
 def test_a_node_that_replayed_its_log_does_not_wait() -> None:

@@ -377,7 +377,8 @@ def _wire_with(index: int, value: Any) -> list[Any]:
         (_wire_with(6, [["nvme", 1], ["nvme", 2]]), "r.newest"),
         (_wire_with(7, -2), "r.proposal"),
         (_wire_with(10, [[2, []], [1, []]]), "r.generations"),
-        (_wire_with(11, b"\x00" * 10), "r.signature"),
+        (_wire_with(11, -1), "r.membership"),
+        (_wire_with(12, b"\x00" * 10), "r.signature"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 
-from convergenced.core.errors import UnknownStreamError
 from convergenced.core.facts import Commit, Declare, Freeze, Retire
 from convergenced.core.generations import GenerationClosedError, GenerationsExhaustedError
 from convergenced.core.interval_set import IntervalSet
@@ -71,10 +70,11 @@ def collect(node: NodeCore) -> None:
         node.apply(Retire(STREAM, RANK[node.node_id], "nvme", e))
 
 
-def test_the_first_generation_is_0_and_asking_changes_nothing() -> None:
+def test_the_first_generation_is_1_and_asking_changes_nothing() -> None:
     a = cluster()["a"]
-    assert a.next_generation(STREAM) == 0
-    assert a.next_generation(STREAM) == 0  # nothing was frozen: the same number
+    # Above the membership declared (0), so the launch may declare a new member map.
+    assert a.next_generation(STREAM) == 1
+    assert a.next_generation(STREAM) == 1  # nothing was frozen: the same number
     assert a.take_pending_facts() == [] and a.status(STREAM).generations == ()
 
 
@@ -86,7 +86,7 @@ def test_a_new_generation_is_above_every_one_known_here_and_in_members_records()
     freeze(c, 9)  # a generation of which only c's record tells
     sync(a, c)
     assert a.next_generation(STREAM) == 10
-    assert b.next_generation(STREAM) == 0  # b has heard of none of them yet
+    assert b.next_generation(STREAM) == 1  # b has heard of none of them yet
     sync(a, b)
     assert b.next_generation(STREAM) == 10
 
@@ -102,10 +102,11 @@ def test_a_relaunch_restores_the_newest_agreed_epoch_where_counter_0_got_an_old_
     for node in n.values():
         collect(node)  # 10 and 20 are retired: a rerun from scratch would re-save them
     sync(a, b)
-    # The launcher's counter is 0 again: generation 0 is the first launch's, final.
-    assert first == 0 and a.generation(STREAM, 0).restore_point is None
+    # The launcher's counter is back where the first launch's was: that generation's
+    # answer is final.
+    assert first == 1 and a.generation(STREAM, 1).restore_point is None
     second = launch(n, opener="b")  # rank 0 runs on another node this time
-    assert second == 1
+    assert second == 2
     assert {node.generation(STREAM, second).restore_point for node in n.values()} == {30}
 
 
@@ -173,9 +174,16 @@ def test_no_generation_is_left_above_the_largest() -> None:
     assert info.value.reason == "generations_exhausted"
 
 
-def test_an_undeclared_stream_has_no_generation() -> None:
-    with pytest.raises(UnknownStreamError):
-        cluster()["a"].next_generation("other")
+def test_a_node_that_has_not_declared_the_stream_answers_from_the_records() -> None:
+    """A spare about to take over ranks asks before it can declare the new map."""
+    n = cluster()
+    freeze(n["a"], 4)
+    spare = NodeCore("s", 1)
+    assert spare.next_generation(STREAM) == 0  # it holds nothing of the stream
+    sync(n["a"], spare)
+    assert spare.next_generation(STREAM) == 5
+    lost = NodeCore("t", 1, unsure_of_past=True)
+    assert lost.next_generation(STREAM) is None  # it has heard from no one yet
 
 
 def test_a_late_request_of_a_superseded_launch_freezes_nothing() -> None:

@@ -194,8 +194,9 @@ def test_a_relaunch_with_its_counter_back_at_0_resumes_from_the_agreed_epoch(
             first.kill()
             raise AssertionError(first.output()) from None
         first.kill()  # the whole launch, as a preemption would
-        assert first.restored(0) == [{"generation": 0, "epoch": None}] * WORLD
-        assert first.restored(1) == [{"generation": 1, "epoch": 3}] * WORLD
+        # Generations from next_generation start above the membership declared (0).
+        assert first.restored(0) == [{"generation": 1, "epoch": None}] * WORLD
+        assert first.restored(1) == [{"generation": 2, "epoch": 3}] * WORLD
         client = cluster.client(1)
         assert client.wait(STREAM, 9, timeout=20)["restore_point"] == 9
         # What a job naming its generation by TORCHELASTIC_RESTART_COUNT would ask now.
@@ -205,7 +206,7 @@ def test_a_relaunch_with_its_counter_back_at_0_resumes_from_the_agreed_epoch(
 
         second = Torchrun(tmp_path, "second", {**cfg, "checkpoint": True}, 0)
         assert second.wait() == 0, second.output()
-        assert second.restored(0) == [{"generation": 2, "epoch": 9}] * WORLD
+        assert second.restored(0) == [{"generation": 3, "epoch": 9}] * WORLD
         for r in range(WORLD):
             ours = torch.load(second.out / f"final-{r}.pt", weights_only=True)
             theirs = torch.load(reference.out / f"final-{r}.pt", weights_only=True)

@@ -83,6 +83,7 @@ def record_from_json(d: dict[str, Any]) -> Record:
         restore_point=d["restore_point"],
         high_water=d["high_water"],
         generations=tuple((g, set_from_json(s)) for g, s in d["generations"]),
+        membership=d["membership"],
         signature=bytes.fromhex(d["signature"]),
     )
 
@@ -100,6 +101,7 @@ def record_to_json(r: Record) -> dict[str, Any]:
         "restore_point": r.restore_point,
         "high_water": r.high_water,
         "generations": [[g, [b for p in s.ranges for b in p]] for g, s in r.generations],
+        "membership": r.membership,
         "signature": r.signature.hex(),
     }
 
@@ -206,14 +208,14 @@ def test_tick_vector_exercises_every_record_field() -> None:
 
 def test_vectors_declare_the_default_limits() -> None:
     for doc in (MESSAGES, MALFORMED):
-        assert doc["protocol_version"] == 1
+        assert doc["protocol_version"] == 2
         assert doc["limits"]["max_frame_bytes"] == WireLimits().max_frame_bytes
         assert doc["limits"]["max_records"] == WireLimits().max_records
 
 
 def test_nudge_frame_known_answer() -> None:
     # Written out by hand from the header table, not by the codec.
-    expected = "43564744010400000000000180"
+    expected = "43564744020400000000000180"
     assert encode_message(Nudge()).hex() == expected
     [vector] = [v for v in MESSAGES["vectors"] if v["type"] == "NUDGE"]
     assert vector["hex"] == expected
@@ -332,7 +334,7 @@ def test_bad_magic_is_refused_from_the_first_byte() -> None:
 
 def test_oversized_frame_is_refused_before_its_body_arrives() -> None:
     dec = FrameDecoder(WireLimits(max_frame_bytes=100))
-    dec.feed(bytes.fromhex("435647440102000000000065"))  # 101 bytes declared
+    dec.feed(bytes.fromhex("435647440202000000000065"))  # 101 bytes declared
     with pytest.raises(RemoteProtocolError) as info:
         dec.next_frame()
     assert info.value.reason == "frame_too_large"
@@ -381,7 +383,7 @@ def decode_all_or_refuse(data: bytes) -> list[Message]:
 
 
 headers = st.builds(
-    lambda t, body: b"CVGD\x01" + bytes([t]) + b"\x00\x00" + len(body).to_bytes(4, "big") + body,
+    lambda t, body: b"CVGD\x02" + bytes([t]) + b"\x00\x00" + len(body).to_bytes(4, "big") + body,
     st.integers(1, 5),
     st.binary(max_size=200),
 )

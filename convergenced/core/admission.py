@@ -157,11 +157,15 @@ class Admission:
     def _members_known(self, fact: Declare) -> None:
         """Refuse a new declaration naming a member outside the cluster: no peer of
         ours would ever link it (or accept its records), so the stream could never
-        converge. A stream declared here already is left alone (sent again by a
-        reconnecting client, or a conflict found later)."""
-        if self.cluster is None or fact.spec.name in self.node.streams():
+        converge. The members of a stream declared here already are left alone (sent
+        again by a reconnecting client, or a conflict found later): a new membership of
+        it is checked for the members it adds."""
+        if self.cluster is None:
             return
-        unknown = sorted(set(fact.spec.member_ids) - self.cluster)
+        known = self.cluster
+        if fact.spec.name in self.node.streams():
+            known = known | set(self.node.spec(fact.spec.name).member_ids)
+        unknown = sorted(set(fact.spec.member_ids) - known)
         if unknown:
             raise ApiError(
                 ErrorKind.REJECTED,

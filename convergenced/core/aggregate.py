@@ -31,6 +31,9 @@ class Summary:
     min_proposal: int | None
     min_restore_point: int | None
     max_high_water: int | None
+    min_portable: int | None = None
+    """The lowest, over the members that have one, of their newest epoch in the shared
+    tier (`StreamAgreement.portable`): what a membership change could still need."""
 
     @staticmethod
     def absent() -> Summary:
@@ -43,17 +46,22 @@ class Summary:
         proposal: int | None,
         restore_point: int | None,
         high_water: int | None,
+        portable: int | None = None,
     ) -> Summary:
         """The leaf of a member with a record."""
-        return Summary(0, recoverable, proposal, restore_point, high_water)
+        return Summary(0, recoverable, proposal, restore_point, high_water, portable)
 
 
-_ABSENT = Summary(1, None, None, None, None)
-_EMPTY = Summary(0, None, None, None, None)  # padding leaves: neutral element
+_ABSENT = Summary(1, None, None, None, None, None)
+_EMPTY = Summary(0, None, None, None, None, None)  # padding leaves: neutral element
 
 
 def _min(a: int | None, b: int | None) -> int | None:
     return None if a is None or b is None else min(a, b)
+
+
+def _min_known(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else min(a, b)
 
 
 def _combine(a: Summary, b: Summary) -> Summary:
@@ -76,6 +84,7 @@ def _combine(a: Summary, b: Summary) -> Summary:
         _min(a.min_proposal, b.min_proposal),
         _min(a.min_restore_point, b.min_restore_point),
         hw,
+        _min_known(a.min_portable, b.min_portable),
     )
 
 

@@ -12,9 +12,12 @@ The rules, exactly as DESIGN.md section 2 defines them, for one node's view:
   floor* ``max(high_water of any member) - retention``.
 * **High-water mark**: the highest restore point a node ever published; made
   durable before the record carrying it leaves the node.
-* **GC horizon** H: ``min(published restore point of every member) - retention``;
-  epochs below H are safe to delete, except those in a frozen set of an open
-  recovery generation.
+* **GC horizon** H: ``min(published restore point of every member) - retention``,
+  and, when the policy can be met from shared domains alone, at most ``min(newest
+  epoch in the shared tier of each member that has one) - retention``: a member whose
+  host dies can only be restored from there, so that epoch stays everywhere (the
+  *portable cap*). Epochs below H are safe to delete, except those in a frozen set of
+  an open recovery generation.
 
 Why the floor keeps S1 (validity) through rollbacks: a node B deletes e only when
 e < H_B <= rp_A - retention for the rp_A that B saw A publish, and rp_A <= hw_A.
@@ -28,13 +31,14 @@ daemon reports the level it reached instead of pretending.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import IntEnum
 
 from convergenced.core.aggregate import MemberAggregate, Summary
 from convergenced.core.interval_set import IntervalSet
 from convergenced.core.records import UNDECLARED, Record
-from convergenced.core.spec import StreamSpec
+from convergenced.core.spec import PolicyMode, StreamSpec
 
 
 class Knowledge(IntEnum):
@@ -97,6 +101,11 @@ class StreamAgreement:
             self.conflicts.pop(origin, None)
             return Summary.of_member(IntervalSet(), None, None, None)
         if record.spec_digest != self.digest:
+            if record.membership != self.spec.membership:
+                # Another membership of the stream (it is on an older one, or we are):
+                # not evidence about this member map, and no conflict either.
+                self.conflicts.pop(origin, None)
+                return Summary.absent()
             if origin not in self.conflicts:
                 conflicts.append(record)
             self.conflicts[origin] = record.spec_digest
@@ -107,8 +116,29 @@ class StreamAgreement:
             # Older than what justified our high-water mark: stale, not evidence.
             return Summary.absent()
         return Summary.of_member(
-            record.recoverable, record.proposal, record.restore_point, record.high_water
+            record.recoverable,
+            record.proposal,
+            record.restore_point,
+            record.high_water,
+            self.portable(record.newest),
         )
+
+    def portable(self, newest: Iterable[tuple[str, int]]) -> int | None:
+        """The newest epoch a member's ranks could restore after moving to another
+        host, from its ``newest`` epoch per domain: in the shared domains of the
+        policy only (any of them, or all when the policy needs all, which only counts
+        when every domain of the policy is shared). None: nothing would survive."""
+        policy = self.spec.policy
+        shared = [d for d in policy.domains if self.spec.is_shared(d)]
+        if not shared:
+            return None
+        by_domain = dict(newest)
+        held = [by_domain[d] for d in shared if d in by_domain]
+        if policy.mode is PolicyMode.ANY:
+            return max(held, default=None)
+        if len(shared) < len(policy.domains) or len(held) < len(shared):
+            return None
+        return min(held)
 
     def decide(
         self,
@@ -116,14 +146,22 @@ class StreamAgreement:
         previous_rp: int | None,
         previous_proposal: int | None,
         high_water: int | None,
+        newest: Iterable[tuple[str, int]] = (),
     ) -> Decision:
-        """Evaluate the rules with our own fresh recoverable set."""
+        """Evaluate the rules with our own fresh recoverable set (and ``newest`` epoch
+        per domain, for the portable cap of the GC horizon)."""
         agg = self.aggregate
-        agg.set(self.me, Summary.of_member(recoverable, previous_proposal, previous_rp, high_water))
+        portable = self.portable(newest)
+        agg.set(
+            self.me,
+            Summary.of_member(recoverable, previous_proposal, previous_rp, high_water, portable),
+        )
         root = agg.root
         ci = root.recoverable if root.missing == 0 and not self.conflicts else None
         proposal = ci.max() if ci is not None else None
-        agg.set(self.me, Summary.of_member(recoverable, proposal, previous_rp, high_water))
+        agg.set(
+            self.me, Summary.of_member(recoverable, proposal, previous_rp, high_water, portable)
+        )
         root = agg.root
 
         best = None
@@ -145,7 +183,7 @@ class StreamAgreement:
         new_hw = high_water
         if rp is not None and (high_water is None or rp > high_water):
             new_hw = rp
-        agg.set(self.me, Summary.of_member(recoverable, proposal, rp, new_hw))
+        agg.set(self.me, Summary.of_member(recoverable, proposal, rp, new_hw, portable))
         root = agg.root
 
         if ci is None:
@@ -163,4 +201,7 @@ class StreamAgreement:
         root = self.aggregate.root
         if root.missing or self.conflicts or root.min_restore_point is None:
             return None
-        return max(root.min_restore_point - self.spec.retention, 0)
+        horizon = root.min_restore_point
+        if root.min_portable is not None:
+            horizon = min(horizon, root.min_portable)  # the portable cap (see above)
+        return max(horizon - self.spec.retention, 0)

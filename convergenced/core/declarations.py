@@ -20,16 +20,27 @@ the name starts with the generations below it closed. A rank of the old job that
 again is refused `generation_closed` instead of getting a second, different frozen
 set for a generation its peers may have resolved already (S2).
 
+A relaunch may declare a new *membership* of a stream: the same name, policy,
+retention and scopes (`StreamSpec.same_stream`), another member map, and a higher
+``membership`` (the generation the new map applies from). That is no conflict: the
+node moves to it (`_change_membership`), keeping the facts of the ranks it still
+hosts. Records say which membership their origin declared, so a member that is still
+on an older one, or already on a newer one, is told from a conflict: only two
+different specs of one membership conflict (PROTOCOL.md section 8.1).
+
 `Declarations` is NodeCore's part of this (a mixin: it works on the node's state).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 
 from convergenced.core.agreement import StreamAgreement
 from convergenced.core.errors import FactError, SpecConflictError, SpecError, UnknownStreamError
+from convergenced.core.events import MembershipChanged, NodeEvent, RestorePointChanged
 from convergenced.core.facts import StreamFacts, Undeclare
+from convergenced.core.generations import MembershipSupersededError
 from convergenced.core.interval_set import IntervalSet
 from convergenced.core.lives import PastLives
 from convergenced.core.records import UNDECLARED, Record, View
@@ -49,6 +60,7 @@ class Declarations:
     _lives: PastLives
     _version: int
     _sign: Callable[[Record], Record] | None
+    _events: deque[NodeEvent]
     made_here_record: Callable[[Record], bool]  # EarlierLives'
 
     def _check_declare(self, spec: StreamSpec) -> None:
@@ -57,19 +69,58 @@ class Declarations:
         st = self._streams.get(spec.name)
         if st is not None and st.facts.spec != spec:
             ours = st.facts.spec
-            raise SpecConflictError(
-                spec.name, ours.digest.hex()[:16], spec.digest.hex()[:16],
-                "; ".join(ours.differences(spec)),
-            )  # fmt: skip
+            if not ours.same_stream(spec) or ours.membership == spec.membership:
+                raise SpecConflictError(
+                    spec.name, ours.digest.hex()[:16], spec.digest.hex()[:16],
+                    "; ".join(ours.differences(spec)),
+                )  # fmt: skip
+            # A new membership of the stream: above everything frozen here.
+            st.generations.check_membership(spec.membership)
         digest = spec.digest
         for origin, rec in self.view.stream(spec.name).items():
             if origin in spec.member_ids and rec.spec_digest not in (digest, UNDECLARED):
                 if self.made_here_record(rec):
                     continue  # our own notice of a declaration we refused (`refused`)
+                if rec.membership < spec.membership:
+                    continue  # the member is still on an older membership: it follows
+                if rec.membership > spec.membership:
+                    raise MembershipSupersededError(
+                        spec.name, spec.membership, rec.membership, f"member {origin}"
+                    )
                 raise SpecConflictError(
                     spec.name, digest.hex()[:16], rec.spec_digest.hex()[:16],
-                    f"member {origin} declared (or tried to declare) a different spec",
+                    f"member {origin} declared (or tried to declare) a different spec "
+                    f"for membership {spec.membership}",
                 )  # fmt: skip
+
+    def _change_membership(self, st: StreamState, spec: StreamSpec) -> None:
+        """Move a declared stream to ``spec``, a new membership of it (checked).
+
+        The facts of the ranks this node still hosts stay; the restore point starts
+        over under the new member map (reported as a rollback when there was one: the
+        new world may not read it); generations of the older membership stay open,
+        protecting their frozen sets, until a newer one resolves. Agreement counts
+        only records of the new spec from now on.
+        """
+        old = st.facts.spec
+        old_hosts = {r: n for n, ranks in old.members for r in ranks}
+        moved = tuple(sorted(r for n, ranks in spec.members for r in ranks
+                             if old_hosts.get(r) != n))  # fmt: skip
+        st.facts.rehost(spec)
+        fresh = {m: s for m, s in st.agreement.fresh_from.items() if m in spec.member_ids}
+        st.agreement = StreamAgreement(spec, self.node_id)
+        st.agreement.fresh_from.update(fresh)
+        st.agreement.observe_many(list(self.view.stream(spec.name).values()))
+        old_rp = st.decision.restore_point if st.decision is not None else None
+        st.decision = None
+        self._events.append(MembershipChanged(
+            spec.name, spec.membership,
+            tuple(m for m in old.member_ids if m not in spec.member_ids),
+            tuple(m for m in spec.member_ids if m not in old.member_ids),
+            moved,
+        ))  # fmt: skip
+        if old_rp is not None:
+            self._events.append(RestorePointChanged(spec.name, old_rp, None, True))
 
     def refused(self, spec: StreamSpec) -> None:
         """A client's declaration of ``spec`` was refused because a member's record
@@ -87,7 +138,7 @@ class Declarations:
         old = self.view.get((name, self.node_id))
         if old is not None and self.made_here_record(old) and old.spec_digest == spec.digest:
             return  # said already
-        self._publish_bare(name, spec.digest)
+        self._publish_bare(name, spec.digest, spec.membership)
 
     def _check_undeclare(self, fact: Undeclare) -> None:
         st = self._streams.get(fact.stream)
@@ -122,12 +173,13 @@ class Declarations:
             return st.generations.closed_below
         return self._generation_floors.get(stream, 0)
 
-    def _publish_bare(self, stream: str, digest: bytes) -> None:
-        """Publish a record of ours for ``stream`` with ``digest`` and nothing else."""
+    def _publish_bare(self, stream: str, digest: bytes, membership: int = 0) -> None:
+        """Publish a record of ours for ``stream`` with ``digest`` (and the membership
+        of the spec it names) and nothing else."""
         self._version += 1
         rec = Record(stream=stream, origin=self.node_id, incarnation=self.incarnation,
                      version=self._version, spec_digest=digest,
-                     recoverable=IntervalSet())  # fmt: skip
+                     recoverable=IntervalSet(), membership=membership)  # fmt: skip
         if self._sign is not None:
             rec = self._sign(rec)
         self.view.merge(rec)

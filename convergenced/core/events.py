@@ -49,4 +49,21 @@ class StateLost:
     """The incarnation this node runs from now on."""
 
 
-NodeEvent = RestorePointChanged | SpecConflictDetected | GenerationResolved | StateLost
+@dataclass(frozen=True, slots=True)
+class MembershipChanged:
+    """A job declared a new member map for ``stream`` from generation ``membership``
+    on (a spare replaced a host, the job shrank or grew)."""
+
+    stream: str
+    membership: int
+    left: tuple[str, ...]
+    """Members of the previous map that are not in the new one."""
+    joined: tuple[str, ...]
+    """Members of the new map that were not in the previous one."""
+    moved_ranks: tuple[int, ...]
+    """Ranks hosted by another node than before (including those of members that left)."""
+
+
+NodeEvent = (
+    RestorePointChanged | SpecConflictDetected | GenerationResolved | StateLost | MembershipChanged
+)

@@ -122,11 +122,36 @@ class HighWater:
     ignored until fresher ones arrive, so a restart never fakes a rollback (S3).
     An entry for the node itself marks a mark adopted from its own record of a life
     it does not remember (`lives`, rule 3).
+
+    ``membership`` is the stream's membership (`StreamSpec.membership`) whose restore
+    point reached ``epoch``: after a restart, the highest mark of the current
+    membership stands in for the restore point, never one the job reached with
+    another member map, which the new world may not be able to read. The node's
+    mark is the highest of all (what its record publishes and the rollback floor
+    uses). None: a mark of no current membership (log compaction writes the overall
+    mark so when it belongs to an older one).
     """
 
     stream: str
     epoch: int
     evidence: tuple[tuple[str, int, int], ...] = ()
+    membership: int | None = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Horizon:
+    """The highest GC horizon this node computed for ``stream``.
+
+    Produced by the core when its horizon rises, durable before anything that could
+    reveal it leaves (as `HighWater`). Nothing at or above it was ever declared safe
+    to delete here, so a frozen set may keep every recoverable epoch from it on
+    (`generations`, rule 1); without it the node falls back to its high-water mark
+    minus the retention, which bounds every horizon but keeps fewer epochs, such as
+    the shared-tier copies a membership change needs.
+    """
+
+    stream: str
+    epoch: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,9 +192,25 @@ class Incarnation:
 
     Records are ordered per origin by (incarnation, version), so a node's stamps
     never go backwards as long as every incarnation it ever used is above the last.
+
+    ``unsure``: the life is unsure of its past (it started without a log, or from
+    the log of such a life before it learned its past of every stream): a replay
+    starts unsure again, and a stream is known only after its `Settled` (`lives`).
     """
 
     number: int
+    unsure: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """This node, unsure of its past, heard from every member of ``stream`` it links
+    to and adopted what they told of its earlier lives (`lives`, rule 2): after a
+    restart from the log it knows its past of the stream and does not wait again.
+
+    Produced by the core; losing it only makes the node wait again after a crash."""
+
+    stream: str
 
 
 Fact = (
@@ -180,9 +221,11 @@ Fact = (
     | Retire
     | Freeze
     | HighWater
+    | Horizon
     | CloseGenerations
     | RankState
     | Incarnation
+    | Settled
 )
 EpochFact = Commit | Retract | Retire
 
@@ -198,6 +241,12 @@ class StreamFacts:
     generations: Generations = field(init=False)
     """Recovery generations: frozen sets, closure, answers (see `generations`)."""
     high_water: int | None = None
+    """The highest restore point this node ever published (any membership)."""
+    membership_high_water: int | None = None
+    """The highest restore point it published under the current membership (not
+    adopted): what stands in for the restore point after a restart."""
+    horizon: int | None = None
+    """The highest GC horizon this node computed (`Horizon`); None: unknown."""
     evidence: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Per other member, the newest (incarnation, version) a high-water mark rested on
     (merged over every `HighWater`; log compaction writes it back as one). An entry
@@ -215,9 +264,33 @@ class StreamFacts:
     yet seen holding it)."""
 
     def __post_init__(self) -> None:
-        self.generations = Generations(self.spec.name)
+        self.generations = Generations(self.spec.name, membership=self.spec.membership)
         self._ranks = self.spec.ranks_of(self.node)
         self._recompute_all()
+
+    def rehost(self, spec: StreamSpec) -> tuple[int, ...]:
+        """Move to ``spec``, a new membership of this stream (`StreamSpec.same_stream`).
+
+        The ranks this node still hosts keep their facts; the ranks it no longer
+        hosts are forgotten here (their node-local copies are not readable where
+        they now run, and their shared copies are committed there, see
+        `integrations.recommit`); new ranks start with nothing. The restore point of
+        the new membership starts over. Returns the ranks forgotten.
+        """
+        assert spec.same_stream(self.spec) and spec.membership > self.spec.membership
+        gone = tuple(r for r in self._ranks if r not in spec.ranks_of(self.node))
+        for table in (self.available, self.retired, self.contents):
+            for key in [k for k in table if k[0] in gone]:
+                del table[key]
+        for r in gone:
+            self._rank_sets.pop(r, None)
+        self.spec = spec
+        self.generations.membership = spec.membership
+        self.membership_high_water = None
+        self._ranks = spec.ranks_of(self.node)
+        self._newest.clear()
+        self._recompute_all()
+        return gone
 
     @property
     def ranks(self) -> tuple[int, ...]:

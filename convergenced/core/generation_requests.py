@@ -2,8 +2,9 @@
 
 `NodeCore`'s part of `generations` (a mixin: it works on the node's state). The rules
 themselves, and the lifecycle table, live in `generations`; this module applies them
-to the node's view: which frozen sets of the members count (those in records with the
-node's spec digest), what a new launch's number is, and when a generation resolves.
+to the node's view: which frozen sets of the members count (those in records of the
+spec the generation belongs to), what a new launch's number is, and when a
+generation resolves.
 """
 
 from __future__ import annotations
@@ -13,9 +14,15 @@ from collections.abc import Callable, Iterator
 
 from convergenced.core.events import GenerationResolved, NodeEvent
 from convergenced.core.facts import CloseGenerations, Fact, Freeze
-from convergenced.core.generations import GenerationAnswer, next_generation, resolve
+from convergenced.core.generations import (
+    GenerationAnswer,
+    Generations,
+    next_generation,
+    resolve,
+)
 from convergenced.core.interval_set import IntervalSet
 from convergenced.core.limits import MAX_RANGES
+from convergenced.core.lives import PastLives
 from convergenced.core.records import View
 from convergenced.core.stream_state import StreamState
 
@@ -26,16 +33,20 @@ class GenerationRequests:
     node_id: str
     view: View
     _streams: dict[str, StreamState]
+    _lives: PastLives
     _pending_facts: list[Fact]
     _events: deque[NodeEvent]
+
     _stream: Callable[[str], StreamState]  # NodeCore's
+    generations_closed_below: Callable[[str], int]  # Declarations'
 
     def freeze_fact(self, stream: str, generation: int) -> Freeze | None:
         """The `Freeze` fact to persist for our first request of ``generation``.
 
         Returns None when we froze that generation already. The frozen set holds the
         recoverable epochs this node can never have declared safe to delete: those at
-        or above its own high-water mark minus the retention, and those in the frozen
+        or above the highest GC horizon it computed (`facts.Horizon`; its high-water
+        mark minus the retention when it knows none), and those in the frozen
         set another member already published for this generation (`generations`,
         rule 1). A member that asks later, while the restore point moved on, still
         shares the epochs the earlier ones froze.
@@ -53,7 +64,10 @@ class GenerationRequests:
         hw = st.facts.high_water
         if hw is None:
             return Freeze(stream, generation, recoverable.newest_ranges(MAX_RANGES))
-        floor = hw - st.facts.spec.retention
+        # Nothing at or above the highest horizon we computed was ever declared safe
+        # to delete here; every horizon is at most hw - retention (`agreement`).
+        horizon = st.facts.horizon
+        floor = horizon if horizon is not None else hw - st.facts.spec.retention
         others = [s for m, s in self._frozen_sets(st, generation) if m != self.node_id and s]
         epochs = recoverable.at_least(floor) | (recoverable & IntervalSet.union_all(others))
         return Freeze(stream, generation, epochs.newest_ranges(MAX_RANGES))
@@ -72,15 +86,26 @@ class GenerationRequests:
             UnknownStreamError: the stream is not declared here.
             GenerationsExhaustedError: generation 2^63 - 1 is known already.
         """
-        st = self._stream(stream)
-        if not st.settled:
+        st = self._streams.get(stream)
+        records = [r for o, r in self.view.stream(stream).items() if o != self.node_id]
+        if st is None:
+            # Not declared here (a spare about to take over ranks): answer from the
+            # records of every origin, once this node knows its past.
+            lives = self._lives
+            if lives.unsure and (not lives.heard or lives.waiting_for(stream, lives.plan or [])):
+                return None
+            own = Generations(stream, closed_below=self.generations_closed_below(stream))
+        elif not st.settled:
             return None
-        digest = st.agreement.digest
-        records = self.view.stream(stream)
-        published = [g for m in st.facts.spec.member_ids if m != self.node_id
-                     and (rec := records.get(m)) is not None and rec.spec_digest == digest
-                     for g, _ in rec.generations]  # fmt: skip
-        return next_generation(st.generations, published)
+        else:
+            own = st.generations
+        # Every record of the stream counts, whatever its spec or membership: a
+        # higher number is always safe, a lower one could be resolved already.
+        published = [g for rec in records for g, _ in rec.generations]
+        declared = [rec.membership for rec in records]
+        if st is not None:
+            declared.append(st.facts.spec.membership)
+        return next_generation(own, published, declared)
 
     def generation(self, stream: str, generation: int) -> GenerationAnswer:
         """The answer for ``generation``: resolved, or whom it still waits for.

@@ -50,6 +50,12 @@ chooses. The rules:
    its way: other nodes could then delete epochs of a set that is open here (S4).
    Facts already in the log (replay, adoption after a lost state) are not requests
    and are applied as they are.
+8. **A generation belongs to one membership.** A spec's ``membership`` is the first
+   generation its member map applies to. A generation resolves over the frozen sets
+   of the members of the spec it was frozen under, in records with that spec's
+   digest; after a membership change, a generation below the new membership can no
+   longer be requested (refused, as closed) nor resolve here, but its frozen set
+   stays open and protects its epochs until a newer generation resolves (rule 4).
 
 The table `TRANSITIONS` is the whole state machine; `Generations` holds the frozen
 sets and answers of one stream and fires the transitions.
@@ -102,13 +108,19 @@ class GenerationClosedError(FactError):
     """The generation was superseded by a newer one that is already resolved."""
 
     def __init__(
-        self, stream: str, generation: int, closed_below: int, newer: int | None = None
+        self,
+        stream: str,
+        generation: int,
+        closed_below: int,
+        newer: int | None = None,
+        membership: int | None = None,
     ) -> None:
-        why = (
-            f"generation {closed_below} or newer is resolved"
-            if newer is None
-            else f"this node froze generation {newer} for a newer launch"
-        )
+        if membership is not None:
+            why = f"a new member map applies from generation {membership} on"
+        elif newer is None:
+            why = f"generation {closed_below} or newer is resolved"
+        else:
+            why = f"this node froze generation {newer} for a newer launch"
         super().__init__(
             f"stream {stream!r}: generation {generation} is closed ({why}); a relaunch "
             "asks for a new generation (next_generation) instead of reusing a launcher's "
@@ -128,6 +140,22 @@ class GenerationsExhaustedError(FactError):
             "declare a new stream",
             reason="generations_exhausted",
         )
+
+
+class MembershipSupersededError(FactError):
+    """A declaration's membership is not above what this node (or a member) already
+    froze, resolved or declared: it comes from a launch a newer one superseded."""
+
+    def __init__(self, stream: str, membership: int, newest: int, who: str = "this node") -> None:
+        super().__init__(
+            f"stream {stream!r}: membership {membership} is not above generation {newest} "
+            f"that {who} already froze, resolved or declared a member map for; a relaunch "
+            "with a new member map declares membership = the generation next_generation "
+            "gave it",
+            reason="membership_superseded",
+        )
+        self.membership = membership
+        self.newest = newest
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,17 +191,21 @@ def resolve(
     return True, IntervalSet.intersect_all(known).max(), ()
 
 
-def next_generation(own: Generations, published: Iterable[int]) -> int:
+def next_generation(
+    own: Generations, published: Iterable[int], memberships: Iterable[int] = ()
+) -> int:
     """Rule 6: the generation a new launch uses, given ``published``, the generation
-    numbers in the members' records.
+    numbers in the members' records, and ``memberships``, the memberships declared
+    here and in them.
 
-    Above every generation of ``own`` (open, resolved here, or closed) and every one
-    published; 0 when none is known.
+    Above every generation of ``own`` (open, resolved here, or closed), every one
+    published and every membership declared (rule 8: so the launch may declare a new
+    member map from it on); 0 when none is known.
 
     Raises:
         GenerationsExhaustedError: generation 2^63 - 1 is known already.
     """
-    top = max([*own.frozen, *own.answers, *published], default=-1)
+    top = max([*own.frozen, *own.answers, *published, *memberships], default=-1)
     if top >= INT64_MAX:
         raise GenerationsExhaustedError(own.stream)
     return max(own.closed_below, top + 1)
@@ -190,6 +222,9 @@ class Generations:
     """Every generation below this is CLOSED (a durable fact)."""
     answers: dict[int, int | None] = field(default_factory=dict)
     """Answers of the generations resolved by this process (kept after closing)."""
+    membership: int = 0
+    """The stream's current membership (rule 8): generations below it were frozen
+    under an older member map and never resolve here."""
 
     def state(self, generation: int) -> GenerationState:
         """The state of ``generation`` (see `GenerationState`)."""
@@ -214,9 +249,16 @@ class Generations:
 
     def check_answerable(self, generation: int) -> None:
         """Raise `GenerationClosedError` unless a request for ``generation`` can be
-        answered (rule 5: a closed generation answers only if it resolved here)."""
-        if self.state(generation) is G.CLOSED and generation not in self.answers:
+        answered (rule 5: a closed generation answers only if it resolved here; rule 8:
+        nor does one of an older membership)."""
+        if generation in self.answers:
+            return
+        if self.state(generation) is G.CLOSED:
             raise GenerationClosedError(self.stream, generation, self.closed_below)
+        if generation < self.membership:
+            raise GenerationClosedError(
+                self.stream, generation, self.closed_below, membership=self.membership
+            )
 
     def check_freeze(self, generation: int) -> None:
         """Raise `GenerationClosedError` if ``generation`` may no longer be frozen."""
@@ -235,8 +277,12 @@ class Generations:
     def check_request(self, generation: int) -> None:
         """Raise `GenerationClosedError` if a rank's request may not freeze
         ``generation``: it is closed, or (rule 7) this node has not frozen it but froze
-        or resolved a newer one."""
+        or resolved a newer one, or (rule 8) it belongs to an older membership."""
         self.check_freeze(generation)
+        if generation < self.membership:
+            raise GenerationClosedError(
+                self.stream, generation, self.closed_below, membership=self.membership
+            )
         newest = max([*self.frozen, *self.answers], default=-1)
         if generation not in self.frozen and generation < newest:
             raise GenerationClosedError(self.stream, generation, self.closed_below, newest)
@@ -283,8 +329,18 @@ class Generations:
         return max(self.frozen) if self.frozen else None
 
     def unresolved(self) -> list[int]:
-        """Open generations still waiting for some member's frozen set."""
-        return sorted(g for g in self.frozen if g not in self.answers)
+        """Open generations of the current membership still waiting for some member's
+        frozen set (rule 8: older ones never resolve here)."""
+        return sorted(g for g in self.frozen if g not in self.answers and g >= self.membership)
+
+    def check_membership(self, membership: int) -> None:
+        """Raise `MembershipSupersededError` unless a member map may apply from
+        generation ``membership`` on: above every generation frozen or resolved here
+        (those were frozen under the member map in force) and not closed."""
+        newest = max([*self.frozen, *self.answers, self.closed_below - 1, self.membership],
+                     default=-1)  # fmt: skip
+        if membership <= newest:
+            raise MembershipSupersededError(self.stream, membership, newest)
 
     def open_sets(self) -> tuple[tuple[int, IntervalSet], ...]:
         """(generation, frozen set) of every open generation, oldest first: what our

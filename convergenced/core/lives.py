@@ -30,7 +30,10 @@ members may already have used. The rules:
    links to: their HELLO, and then their first message that carries no record of
    its origin (a peer sends those first, so that message means it holds no more; an
    announced stamp it does not send was only evidence). A node that replayed a log
-   knows its last incarnation and starts above it: no such wait.
+   knows its last incarnation and starts above it: no such wait, unless that log was
+   written by a life still unsure of its past (its `Incarnation` says so): then the
+   node is unsure again of every stream that life had not settled (`Settled`), since
+   the log holds nothing of that past.
 3. **A life it does not remember is above it.** A record of its own origin that it
    did not make in this life (a higher incarnation, or its own incarnation with a
    version it never reached) means its state was lost, or a twin uses its key. It
@@ -55,7 +58,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from convergenced.core.events import NodeEvent, StateLost
-from convergenced.core.facts import Fact, Freeze, HighWater, Incarnation
+from convergenced.core.facts import Fact, Freeze, HighWater, Incarnation, Settled
 from convergenced.core.generations import GenerationState
 from convergenced.core.records import Record, View
 from convergenced.core.stream_state import StreamState
@@ -221,7 +224,9 @@ class EarlierLives:
     def waiting_to_freeze(self, stream: str) -> tuple[str, ...]:
         """Members this node must hear from before it may freeze a generation of
         ``stream`` (none unless it is unsure of its past, rule 2)."""
-        st = self._stream(stream)
+        st = self._streams.get(stream)
+        if st is None:  # not declared here: every peer it links to (`next_generation`)
+            return self._lives.waiting_for(stream, self._lives.plan or ())
         return () if st.settled else self._waiting_for(st)
 
     def _forgotten(self, incarnation: int) -> bool:
@@ -258,7 +263,7 @@ class EarlierLives:
         moved = top >= self.incarnation
         if moved:
             self.incarnation = top + 1
-            self._pending_facts.append(Incarnation(self.incarnation))
+            self._pending_facts.append(Incarnation(self.incarnation, self._lives.unsure))
         if top and not lives.reported:
             lives.reported = True
             self._events.append(StateLost(top, self.incarnation))
@@ -282,6 +287,7 @@ class EarlierLives:
             if not st.settled and not self._waiting_for(st):
                 st.settled = True
                 self._adopt(st)
+                self._pending_facts.append(Settled(name))  # a restart does not wait again
                 self._refresh(name)
 
     def _adopt(self, st: StreamState) -> None:

@@ -35,6 +35,7 @@ from convergenced.core.declarations import Declarations
 from convergenced.core.errors import FactError, UnknownStreamError
 from convergenced.core.events import (
     GenerationResolved,
+    MembershipChanged,
     NodeEvent,
     RestorePointChanged,
     SpecConflictDetected,
@@ -48,10 +49,12 @@ from convergenced.core.facts import (
     Fact,
     Freeze,
     HighWater,
+    Horizon,
     Incarnation,
     RankState,
     Retire,
     Retract,
+    Settled,
     Undeclare,
 )
 from convergenced.core.generation_requests import GenerationRequests
@@ -71,6 +74,7 @@ __all__ = [
     "GenerationAnswer",
     "GenerationClosedError",
     "GenerationResolved",
+    "MembershipChanged",
     "NodeCore",
     "NodeEvent",
     "RestorePointChanged",
@@ -160,12 +164,17 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests):
 
     # -- facts ----------------------------------------------------------------
 
+    def incarnation_fact(self) -> Incarnation:
+        """The `Incarnation` to log for this life (first in the log, and first in a
+        compacted one): it says whether the life is unsure of its past."""
+        return Incarnation(self.incarnation, self._lives.unsure)
+
     def check(self, fact: Fact) -> None:
         """Raise a typed error if ``fact`` would be refused; never changes anything."""
         if isinstance(fact, Declare):
             self._check_declare(fact.spec)
             return
-        if isinstance(fact, Incarnation):
+        if isinstance(fact, Incarnation | Settled):
             raise FactError("incarnations are the node's own facts", reason="not_a_client_fact")
         if isinstance(fact, Undeclare):
             self._check_undeclare(fact)
@@ -215,13 +224,31 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests):
         from whatever an early prefix of the log implied.
         """
         touched: set[str] = set()
+        newest_life, inherited = 0, False
         for fact in facts:
             if isinstance(fact, Incarnation):
+                if fact.number >= newest_life:
+                    # The newest life logged was unsure of its past (it started
+                    # without a log): so are we, but for the streams it settled
+                    # (`lives`, rule 2).
+                    newest_life, inherited = fact.number, fact.unsure
+                    self._lives.unsure = self._lives.unsure or fact.unsure
                 continue  # the caller started us above them
+            if isinstance(fact, Settled):
+                if fact.stream in self._streams:
+                    self._streams[fact.stream].settled = True
+                continue
             if isinstance(fact, Undeclare) and fact.stream not in self._streams:
                 continue  # undeclared twice (a client's retry before the restart)
             touched.add(self._apply(fact))
+        if inherited and all(st.settled for st in self._streams.values()):
+            self._lives.unsure = False  # that life learned its past of every stream
         for name in sorted(touched & set(self._streams)):
+            f = self._streams[name].facts
+            if f.horizon is None and f.high_water is not None and not f.high_water_adopted:
+                # A log from before horizons were kept: every horizon its writer
+                # computed was at most this (`agreement`).
+                f.horizon = max(f.high_water - f.spec.retention, 0)
             self._refresh(name)
 
     def _apply(self, fact: Fact) -> str:
@@ -232,8 +259,13 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests):
                 st.settled = not self._waiting_for(st)
                 if st.settled:
                     self._adopt(st)
+                    if self._lives.unsure:
+                        self._pending_facts.append(Settled(fact.spec.name))
+            elif self._streams[fact.spec.name].facts.spec != fact.spec:
+                # Checked: a new membership of the stream (`declarations`).
+                self._change_membership(self._streams[fact.spec.name], fact.spec)
             return fact.spec.name
-        assert not isinstance(fact, Incarnation)
+        assert not isinstance(fact, Incarnation | Settled)
         if isinstance(fact, Undeclare):
             self._undeclare(fact)
             return fact.stream
@@ -248,18 +280,38 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests):
         elif isinstance(fact, CloseGenerations):
             st.generations.close_below(fact.below)
         elif isinstance(fact, HighWater):
-            hw = st.facts.high_water
-            if hw is None or fact.epoch >= hw:
-                if hw is None or fact.epoch > hw:
-                    st.facts.evidence.pop(self.node_id, None)  # no longer adopted
-                st.facts.high_water = fact.epoch
-                for member, inc, ver in fact.evidence:
-                    st.facts.evidence[member] = (inc, ver)
-                    if member != self.node_id:
-                        st.agreement.fresh_from[member] = (inc, ver)
+            self._apply_high_water(st, fact)
+        elif isinstance(fact, Horizon):
+            if st.facts.horizon is None or fact.epoch > st.facts.horizon:
+                st.facts.horizon = fact.epoch
         elif isinstance(fact, RankState):
             st.facts.restore_rank(fact)
         return fact.stream
+
+    def _apply_high_water(self, st: StreamState, fact: HighWater) -> None:
+        f = st.facts
+        adopted = any(m == self.node_id for m, _, _ in fact.evidence)
+        hw = f.high_water
+        if hw is None or fact.epoch > hw:
+            f.evidence.pop(self.node_id, None)  # no longer adopted (an adopted one adds it)
+            f.high_water = fact.epoch
+        elif adopted:
+            return  # an adopted mark below ours says nothing new
+        mhw = f.membership_high_water
+        if (
+            not adopted
+            and fact.membership == f.spec.membership
+            and (mhw is None or fact.epoch > mhw)
+        ):
+            f.membership_high_water = fact.epoch
+        for member, inc, ver in fact.evidence:
+            old = f.evidence.get(member)
+            if old is None or (inc, ver) > old:
+                f.evidence[member] = (inc, ver)
+            if member != self.node_id:
+                fresh = st.agreement.fresh_from.get(member)
+                if fresh is None or (inc, ver) > fresh:
+                    st.agreement.fresh_from[member] = (inc, ver)
 
     def compacted_facts(self) -> list[Fact]:
         """The shortest list of facts whose `replay` rebuilds this node's local state.
@@ -276,6 +328,8 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests):
         for name in sorted(self._streams):
             f = self._streams[name].facts
             out.append(Declare(f.spec))
+            if self._lives.unsure and self._streams[name].settled:
+                out.append(Settled(name))
             out.extend(f.compacted())
             # The digests and sizes held, as commits, each before the frozen sets of
             # the generations frozen after it was applied (see `Content.after`).
@@ -289,7 +343,15 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests):
                 out.append(CloseGenerations(name, f.generations.closed_below))
             if f.high_water is not None:
                 evidence = tuple((m, i, v) for m, (i, v) in sorted(f.evidence.items()))
-                out.append(HighWater(name, f.high_water, evidence))
+                mhw = f.membership_high_water
+                if mhw == f.high_water:
+                    out.append(HighWater(name, f.high_water, evidence, f.spec.membership))
+                else:
+                    out.append(HighWater(name, f.high_water, evidence, None))
+                    if mhw is not None:
+                        out.append(HighWater(name, mhw, (), f.spec.membership))
+            if f.horizon is not None:
+                out.append(Horizon(name, f.horizon))
         out.extend(CloseGenerations(n, b) for n, b in sorted(self._generation_floors.items()))
         return out
 
@@ -366,7 +428,10 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests):
         """
         st = self._stream(stream)
         horizon = st.agreement.gc_horizon()
-        if horizon is None or horizon == 0 or not st.settled:
+        if horizon is None or st.facts.horizon is None or not st.settled:
+            return IntervalSet()
+        horizon = min(horizon, st.facts.horizon)  # never above what is durable
+        if horizon == 0:
             return IntervalSet()
         protected = [s for _, s in st.generations.open_sets()]
         for origin, rec in self.view.stream(stream).items():
@@ -403,19 +468,25 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests):
         # crashes and reports a lower point as the rollback it is.
         # An adopted mark (`lives`, rule 3) may be older than what the peers used, so
         # it only bounds the rollback floor; it never stands in.
+        # Only a mark of the current membership stands in: one the job reached with
+        # another member map may not be readable by the new world.
         previous = prev.restore_point if prev is not None else None
-        if previous is None and not f.high_water_adopted:
-            previous = f.high_water
+        if previous is None:
+            previous = f.membership_high_water
         d = st.agreement.decide(
             recoverable,
             previous,
             prev.proposal if prev else None,
             f.high_water,
+            f.newest_by_domain().items(),
         )
         st.decision = d
-        if d.high_water != f.high_water and d.high_water is not None:
-            f.high_water = d.high_water
-            f.evidence.pop(self.node_id, None)  # our own mark now, not an adopted one
+        rp, mhw = d.restore_point, f.membership_high_water
+        if rp is not None and (mhw is None or rp > mhw):
+            if f.high_water is None or rp > f.high_water:
+                f.high_water = rp
+                f.evidence.pop(self.node_id, None)  # our own mark now, not an adopted one
+            f.membership_high_water = rp
             records = self.view.stream(name)
             evidence = tuple(
                 (m, r.incarnation, r.version)
@@ -423,7 +494,11 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests):
                 if m != self.node_id and (r := records.get(m)) is not None
             )
             f.evidence.update((m, (i, v)) for m, i, v in evidence)
-            self._pending_facts.append(HighWater(name, d.high_water, evidence))
+            self._pending_facts.append(HighWater(name, rp, evidence, f.spec.membership))
+        horizon = st.agreement.gc_horizon()
+        if horizon is not None and (f.horizon is None or horizon > f.horizon):
+            f.horizon = horizon
+            self._pending_facts.append(Horizon(name, horizon))
         old_rp = prev.restore_point if prev else None
         if d.restore_point != old_rp:
             self._events.append(RestorePointChanged(name, old_rp, d.restore_point, d.rollback))
@@ -467,6 +542,7 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests):
             restore_point=d.restore_point,
             high_water=f.high_water,
             generations=gens,
+            membership=f.spec.membership,
         )
         if self._sign is not None:
             rec = self._sign(rec)

@@ -74,6 +74,9 @@ class Record:
     high_water: int | None = None
     generations: tuple[tuple[int, IntervalSet], ...] = ()
     """Frozen sets of the origin's open recovery generations (sorted by generation)."""
+    membership: int = 0
+    """The membership of the origin's spec (`StreamSpec.membership`): tells a member
+    that declared another membership of the stream from one in conflict."""
     signature: bytes = b""
     _fingerprint: bytes = field(default=b"", compare=False, repr=False)
     _packed: bytes = field(default=b"", compare=False, repr=False)
@@ -102,6 +105,7 @@ class Record:
             self.restore_point,
             self.high_water,
             [[g, s.encode()] for g, s in self.generations],
+            self.membership,
         ]
 
     def body_bytes(self) -> bytes:
@@ -155,7 +159,7 @@ class Record:
         if fast is not None:
             return fast
         # Something is off: the slow path finds it and names the field.
-        f = as_list(obj, path, max_len=12, length=12)
+        f = as_list(obj, path, max_len=13, length=13)
         stream = as_name(f[0], f"{path}.stream")
         origin = as_name(f[1], f"{path}.origin")
         incarnation = as_int(f[2], f"{path}.incarnation")
@@ -191,12 +195,14 @@ class Record:
             )
         if [g for g, _ in gens] != sorted({g for g, _ in gens}):
             raise fail(f"{path}.generations", "generations not sorted and unique")
-        signature = as_bytes(f[11], f"{path}.signature", max_len=SIGNATURE_LEN)
+        membership = as_int(f[11], f"{path}.membership")
+        signature = as_bytes(f[12], f"{path}.signature", max_len=SIGNATURE_LEN)
         if signature and len(signature) != SIGNATURE_LEN:
             raise fail(f"{path}.signature", f"expected 0 or {SIGNATURE_LEN} bytes")
         return cls(
             stream, origin, incarnation, version, spec_digest, recoverable,
-            tuple(newest), proposal, restore_point, high_water, tuple(gens), signature,
+            tuple(newest), proposal, restore_point, high_water, tuple(gens), membership,
+            signature,
         )  # fmt: skip
 
 
@@ -243,9 +249,9 @@ def _from_wire_fast(obj: Any) -> Record | None:
     Checks exactly what `Record.from_wire`'s strict path checks, but builds no
     error text, so the common case costs a few microseconds.
     """
-    if type(obj) is not list or len(obj) != 12:
+    if type(obj) is not list or len(obj) != 13:
         return None
-    stream, origin, inc, ver, sd, rec, newest_raw, prop, rp, hw, gens_raw, sig = obj
+    stream, origin, inc, ver, sd, rec, newest_raw, prop, rp, hw, gens_raw, ms, sig = obj
     if not (_name_ok(stream) and _name_ok(origin)):
         return None
     if type(inc) is not int or type(ver) is not int or not (0 <= inc <= _I64 and 0 <= ver <= _I64):
@@ -285,10 +291,24 @@ def _from_wire_fast(obj: Any) -> Record | None:
         ):
             return None
         gens.append((g, epochs))
+    if type(ms) is not int or not 0 <= ms <= _I64:
+        return None
     if type(sig) is not bytes or len(sig) not in (0, SIGNATURE_LEN):
         return None
     return Record(
-        stream, origin, inc, ver, sd, recoverable, tuple(newest), prop, rp, hw, tuple(gens), sig
+        stream,
+        origin,
+        inc,
+        ver,
+        sd,
+        recoverable,
+        tuple(newest),
+        prop,
+        rp,
+        hw,
+        tuple(gens),
+        ms,
+        sig,
     )
 
 

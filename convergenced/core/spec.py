@@ -1,10 +1,23 @@
 """Stream specs: who takes part in a stream and what makes an epoch count.
 
 A job declares its stream with a spec: the stream name, the members (node ids) with
-the ranks each hosts, a domain policy ("all of [nvme]", "any of [nvme, s3]") and a
-retention in epochs. Every member must declare the same spec; specs are compared by
-a canonical digest (SHA-256 over a canonical msgpack encoding), and records carry
-that digest so a conflict anywhere in the cluster is noticed, never merged.
+the ranks each hosts, a domain policy ("all of [nvme]", "any of [nvme, s3]"), a
+retention in epochs, the domains whose *scope* is shared, and the *membership*: the
+first recovery generation the member map applies to. Every member must declare the
+same spec; specs are compared by a canonical digest (SHA-256 over a canonical msgpack
+encoding), and records carry that digest so a conflict anywhere in the cluster is
+noticed, never merged.
+
+**Scopes.** A shared domain (an object store, a parallel file system) is readable from
+any host; every other domain is node-local (gpu, ram, nvme: readable only on the
+host that wrote it). A rank that moves to another node keeps its shared-domain
+epochs and loses its node-local ones: the policy says which domains count, the scope
+what survives a move.
+
+**Memberships.** A relaunch may come with another member map (a spare replaces a
+dead host, the job shrinks or grows). It declares a spec that differs from the one
+before only in its members and a higher ``membership``: the same stream
+(`same_stream`), under a new membership (PROTOCOL.md section 8.1).
 """
 
 from __future__ import annotations
@@ -61,6 +74,11 @@ class StreamSpec:
     policy: Policy
     retention: int
     """Epochs kept below the lowest published restore point (in epoch units)."""
+    shared: tuple[str, ...] = ()
+    """Domains whose scope is shared (readable from any host), sorted; every other
+    domain is node-local."""
+    membership: int = 0
+    """The first recovery generation this member map applies to."""
     _digest: bytes = field(default=b"", compare=False, repr=False)
     _member_ids: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
@@ -71,6 +89,9 @@ class StreamSpec:
         members: Mapping[str, Iterable[int]],
         policy: Policy,
         retention: int = 0,
+        *,
+        shared: Iterable[str] = (),
+        membership: int = 0,
     ) -> StreamSpec:
         """Validate and normalize a spec.
 
@@ -120,7 +141,23 @@ class StreamSpec:
         if type(retention) is not int or not 0 <= retention <= INT64_MAX:
             raise SpecError(f"spec.retention: {retention!r} is not a non-negative integer")
         policy = Policy(policy.mode, tuple(sorted(set(policy.domains))))
-        return cls(name, tuple(norm), policy, retention)
+        if isinstance(shared, str | bytes):
+            raise SpecError("spec.shared: expected a list of domain names")
+        try:
+            shared_list = list(shared)
+        except TypeError:
+            raise SpecError("spec.shared: expected a list of domain names") from None
+        if len(shared_list) > MAX_POLICY_DOMAINS:
+            raise SpecError(f"spec.shared: more than {MAX_POLICY_DOMAINS} domains")
+        for d in shared_list:
+            if not isinstance(d, str) or not NAME_RE.match(d):
+                raise SpecError(f"spec.shared: {d!r} is not a valid domain name")
+            if d not in policy.domains:
+                raise SpecError(f"spec.shared: {d!r} is not a domain of the policy")
+        if type(membership) is not int or not 0 <= membership <= INT64_MAX:
+            raise SpecError(f"spec.membership: {membership!r} is not a non-negative integer")
+        return cls(name, tuple(norm), policy, retention, tuple(sorted(set(shared_list))),
+                   membership)  # fmt: skip
 
     # -- queries ------------------------------------------------------------
 
@@ -130,6 +167,17 @@ class StreamSpec:
         if not self._member_ids:
             object.__setattr__(self, "_member_ids", tuple(node for node, _ in self.members))
         return self._member_ids
+
+    def is_shared(self, domain: str) -> bool:
+        """Whether ``domain`` is readable from any host (else node-local)."""
+        return domain in self.shared
+
+    def same_stream(self, other: StreamSpec) -> bool:
+        """Whether ``other`` is this stream, under this or another membership: the
+        same name, policy, retention and scopes (members and membership may differ)."""
+        return (self.name, self.policy, self.retention, self.shared) == (
+            other.name, other.policy, other.retention, other.shared,
+        )  # fmt: skip
 
     def ranks_of(self, node: str) -> tuple[int, ...]:
         """The ranks ``node`` hosts (empty when it is not a member)."""
@@ -141,13 +189,20 @@ class StreamSpec:
     # -- canonical form -----------------------------------------------------
 
     def to_wire(self) -> dict[str, Any]:
-        """The canonical, language-neutral form (also what the local API takes)."""
-        return {
+        """The canonical, language-neutral form (also what the local API takes).
+
+        ``shared`` and ``membership`` appear only when they are not the defaults."""
+        out: dict[str, Any] = {
             "name": self.name,
             "members": {node: list(ranks) for node, ranks in self.members},
             "policy": {"mode": self.policy.mode.value, "domains": list(self.policy.domains)},
             "retention": self.retention,
         }
+        if self.shared:
+            out["shared"] = list(self.shared)
+        if self.membership:
+            out["membership"] = self.membership
+        return out
 
     @classmethod
     def from_wire(cls, obj: Any) -> StreamSpec:
@@ -158,7 +213,7 @@ class StreamSpec:
         """
         if not isinstance(obj, Mapping):
             raise SpecError("spec: expected a map")
-        unknown = set(obj) - {"name", "members", "policy", "retention"}
+        unknown = set(obj) - {"name", "members", "policy", "retention", "shared", "membership"}
         if unknown:
             raise SpecError(f"spec: unknown field {sorted(map(str, unknown))[0]!r}")
         for key in ("name", "members", "policy"):
@@ -180,25 +235,34 @@ class StreamSpec:
         domains = policy["domains"]
         if not isinstance(domains, list | tuple):
             raise SpecError("spec.policy.domains: expected a list")
+        shared = obj.get("shared", [])
+        if not isinstance(shared, list | tuple):
+            raise SpecError("spec.shared: expected a list of domain names")
         return cls.create(
             obj["name"],
             members,
             Policy(mode, tuple(domains)),
             obj.get("retention", 0),
+            shared=shared,
+            membership=obj.get("membership", 0),
         )
 
     def canonical_bytes(self) -> bytes:
-        """Canonical msgpack encoding: sorted maps, so equal specs give equal bytes."""
+        """Canonical msgpack encoding: sorted maps, so equal specs give equal bytes.
+
+        A spec with no shared domain and membership 0 encodes as the 5-element array
+        of earlier versions, so its digest is unchanged; otherwise 7 elements."""
         wire = self.to_wire()
-        return pack(
-            [
-                wire["name"],
-                [[node, ranks] for node, ranks in sorted(wire["members"].items())],
-                wire["policy"]["mode"],
-                wire["policy"]["domains"],
-                wire["retention"],
-            ]
-        )
+        body: list[Any] = [
+            wire["name"],
+            [[node, ranks] for node, ranks in sorted(wire["members"].items())],
+            wire["policy"]["mode"],
+            wire["policy"]["domains"],
+            wire["retention"],
+        ]
+        if self.shared or self.membership:
+            body += [list(self.shared), self.membership]
+        return pack(body)
 
     @property
     def digest(self) -> bytes:
@@ -216,4 +280,8 @@ class StreamSpec:
             out.append(f"policy {self.policy} vs {other.policy}")
         if self.retention != other.retention:
             out.append(f"retention {self.retention} vs {other.retention}")
+        if self.shared != other.shared:
+            out.append(f"shared domains [{', '.join(self.shared)}] vs [{', '.join(other.shared)}]")
+        if self.membership != other.membership:
+            out.append(f"membership {self.membership} vs {other.membership}")
         return out

@@ -51,7 +51,7 @@ from convergenced.core.validate import (
 )
 
 MAGIC = b"CVGD"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 HEADER = struct.Struct(">4sBBHI")
 HEADER_SIZE = HEADER.size
 DEFAULT_MAX_FRAME = 1 << 20

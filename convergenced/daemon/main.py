@@ -41,7 +41,7 @@ from convergenced.core.events import StateLost
 from convergenced.daemon import config as config_mod
 from convergenced.daemon import logs
 from convergenced.daemon.config import Config
-from convergenced.daemon.durability.entries import Entry, Incarnation
+from convergenced.daemon.durability.entries import Entry
 from convergenced.daemon.durability.floor import IncarnationFloor
 from convergenced.daemon.durability.log_file import FactLog, OpenReport
 from convergenced.daemon.http import HttpEndpoint
@@ -277,7 +277,7 @@ class Daemon:
         r.api.max_clients = size_clients(cfg).max_clients
         telemetry.watch(r)
         self._keep_floor(r.node.incarnation)
-        await r.commits.log_now(Incarnation(r.node.incarnation))
+        await r.commits.log_now(r.node.incarnation_fact())
         log.info("starting", version=__version__, incarnation=r.node.incarnation,
                  facts=len(entries), streams=len(r.node.streams()),
                  wal_bytes=wal.synced_bytes)  # fmt: skip

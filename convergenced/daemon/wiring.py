@@ -141,7 +141,7 @@ class Running:
 
     def snapshot(self) -> list[Entry]:
         """What a compaction writes: the incarnation, then the node's compacted facts."""
-        return [Incarnation(self.node.incarnation), *self.node.compacted_facts()]
+        return [self.node.incarnation_fact(), *self.node.compacted_facts()]
 
 
 def incarnation_after(entries: list[Entry], floor: int = 0) -> int:

@@ -89,7 +89,7 @@ class SimNode:
         core = NodeCore(self.id, incarnation, unsure_of_past=not past)
         core.plan_links(links)
         core.replay(self.durable)
-        self.durable.append(Incarnation(core.incarnation))
+        self.durable.append(core.incarnation_fact())
         self.core = core
         self.gate = OutputGate(core)
         self.admission = Admission(core, self.gate, cluster=cluster)
@@ -154,7 +154,7 @@ class SimNode:
         self.writes += 1
         snapshot = None
         if self.writes % COMPACT_EVERY == 0:  # as the daemon compacts: incarnation first
-            snapshot = [Incarnation(core.incarnation), *core.compacted_facts()]
+            snapshot = [core.incarnation_fact(), *core.compacted_facts()]
         self.writing = LogWrite(self.lives, facts, upto, snapshot)
         return self.writing
 

@@ -71,6 +71,7 @@ FULL_RECORD = Record(
     restore_point=20,
     high_water=20,
     generations=((1, IntervalSet([(0, 9), (20, 25)])), (2, IntervalSet([(20, 29)]))),
+    membership=1,
     signature=SIGNATURE,
 )
 EMPTY_RECORD = Record(
@@ -93,6 +94,7 @@ LARGE_RECORD = Record(
     restore_point=None,
     high_water=2**31,
     generations=((INT64_MAX, IntervalSet.of(2**31)),),
+    membership=INT64_MAX,
 )
 
 VALID: list[tuple[str, Message]] = [
@@ -149,6 +151,7 @@ def record_json(rec: Record) -> dict[str, Any]:
         "restore_point": rec.restore_point,
         "high_water": rec.high_water,
         "generations": [[g, s.encode()] for g, s in rec.generations],
+        "membership": rec.membership,
         "signature": rec.signature.hex(),
     }
 
@@ -237,7 +240,7 @@ LIMITS = WireLimits()
 
 # Field indexes of the record wire array (see Record.body).
 STREAM, ORIGIN, INCARNATION, VERSION, SPEC, RECOVERABLE, NEWEST = range(7)
-PROPOSAL, RESTORE_POINT, HIGH_WATER, GENERATIONS, SIGNATURE_FIELD = range(7, 12)
+PROPOSAL, RESTORE_POINT, HIGH_WATER, GENERATIONS, MEMBERSHIP, SIGNATURE_FIELD = range(7, 13)
 
 
 def _dup_key_tick() -> bytes:
@@ -253,8 +256,10 @@ MALFORMED: list[tuple[str, Callable[[], bytes], str, str]] = [
     # name, frame builder, reason, message substring
     ("bad_magic", lambda: frame(TICK, tick_body(), magic=b"CVGE"), "bad_magic", "frame: bad magic"),
     ("bad_magic_first_byte", lambda: b"HTTP", "bad_magic", "frame: bad magic"),
-    ("unsupported_version", lambda: frame(TICK, tick_body(), version=2), "unsupported_version",
-     "frame: protocol version 2 not supported"),
+    ("unsupported_version", lambda: frame(TICK, tick_body(), version=3), "unsupported_version",
+     "frame: protocol version 3 not supported"),
+    ("version_1_frame", lambda: frame(TICK, tick_body(), version=1), "unsupported_version",
+     "frame: protocol version 1 not supported"),
     ("unknown_type", lambda: frame(9, packb({})), "unknown_type", "frame: unknown message type 9"),
     ("type_zero", lambda: frame(0, packb({})), "unknown_type", "frame: unknown message type 0"),
     ("nonzero_flags", lambda: frame(MessageType.NUDGE, packb({}), flags=0x8000), "bad_flags",
@@ -310,8 +315,10 @@ MALFORMED: list[tuple[str, Callable[[], bytes], str, str]] = [
      "TICK.digest: expected bytes"),
     ("too_many_records", lambda: frame(TICK, tick_body(records=[None] * (LIMITS.max_records + 1))),
      "limit_exceeded", f"TICK.records: {LIMITS.max_records + 1} elements above the limit"),
-    ("record_wrong_arity", lambda: frame(TICK, tick_body(records=[FULL_RECORD.to_wire()[:11]])),
-     "invalid_field", "TICK.records[0]: expected 12 elements, got 11"),
+    ("record_wrong_arity", lambda: frame(TICK, tick_body(records=[FULL_RECORD.to_wire()[:12]])),
+     "invalid_field", "TICK.records[0]: expected 13 elements, got 12"),
+    ("record_negative_membership", lambda: tick_record(MEMBERSHIP, -1), "invalid_field",
+     "TICK.records[0].membership: -1 is negative"),
     ("record_negative_version", lambda: tick_record(VERSION, -1), "invalid_field",
      "TICK.records[0].version: -1 is negative"),
     ("record_float_epoch", lambda: tick_record(PROPOSAL, 29.0), "invalid_field",

@@ -17,10 +17,12 @@ from convergenced.core.facts import (
     Fact,
     Freeze,
     HighWater,
+    Horizon,
     Incarnation,
     RankState,
     Retire,
     Retract,
+    Settled,
     Undeclare,
 )
 from convergenced.core.interval_set import IntervalSet
@@ -36,7 +38,9 @@ Entry = Fact
 def encode_entry(entry: Entry) -> list[Any]:
     """The msgpack-ready payload of one entry."""
     if isinstance(entry, Incarnation):
-        return ["incarnation", entry.number]
+        return ["incarnation", entry.number, *([True] if entry.unsure else [])]
+    if isinstance(entry, Settled):
+        return ["settled", entry.stream]
     if isinstance(entry, Declare):
         return ["declare", entry.spec.to_wire()]
     if isinstance(entry, Undeclare):
@@ -58,7 +62,17 @@ def encode_entry(entry: Entry) -> list[Any]:
     if isinstance(entry, Freeze):
         return ["freeze", entry.stream, entry.generation, entry.epochs.encode()]
     if isinstance(entry, HighWater):
-        return ["high_water", entry.stream, entry.epoch, [list(e) for e in entry.evidence]]
+        out: list[Any] = [
+            "high_water",
+            entry.stream,
+            entry.epoch,
+            [list(e) for e in entry.evidence],
+        ]
+        if entry.membership != 0:
+            out.append(entry.membership)  # absent: membership 0 (as logs before it)
+        return out
+    if isinstance(entry, Horizon):
+        return ["horizon", entry.stream, entry.epoch]
     if isinstance(entry, RankState):
         return [
             "rank_state",
@@ -82,8 +96,15 @@ def decode_entry(obj: Any) -> Entry:
     kind, args = obj[0], obj[1:]
     try:
         if kind == "incarnation":
-            (number,) = args
-            return Incarnation(int(number))
+            number, *rest = args
+            if rest not in ([], [True]):
+                raise ValueError("bad unsure flag")
+            return Incarnation(int(number), bool(rest))
+        if kind == "settled":
+            (stream,) = args
+            if not isinstance(stream, str):
+                raise ValueError("bad stream")
+            return Settled(stream)
         if kind == "declare":
             (spec,) = args
             return Declare(StreamSpec.from_wire(spec))
@@ -101,8 +122,16 @@ def decode_entry(obj: Any) -> Entry:
             stream, generation, flat = args
             return Freeze(stream, generation, IntervalSet.decode(flat))
         if kind == "high_water":
-            stream, epoch, evidence = args
-            return HighWater(stream, epoch, tuple((m, i, v) for m, i, v in evidence))
+            stream, epoch, evidence, *rest = args
+            membership = rest[0] if len(rest) == 1 else 0
+            if len(rest) > 1 or not (membership is None or type(membership) is int):
+                raise ValueError("bad membership")
+            return HighWater(stream, epoch, tuple((m, i, v) for m, i, v in evidence), membership)
+        if kind == "horizon":
+            stream, epoch = args
+            if type(epoch) is not int or epoch < 0:
+                raise ValueError("bad epoch")
+            return Horizon(stream, epoch)
         if kind == "rank_state":
             stream, rank, domain, available, retired = args
             return RankState(

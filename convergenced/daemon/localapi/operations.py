@@ -201,9 +201,9 @@ class LocalOperations:
         asks and hands the number to the others; asking changes nothing.
 
         Waits, like a freeze, until a node that started without a log has heard from
-        its peers (`core.lives`).
+        its peers (`core.lives`). Works on a stream not declared here too (a spare
+        about to take over ranks asks before it can declare the new member map).
         """
-        self.admission.known(stream)
         with trio.move_on_after(math.inf if timeout is None else timeout):
             while True:
                 try:
