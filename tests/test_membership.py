@@ -266,3 +266,26 @@ def test_a_spare_deletes_nothing_until_every_member_of_the_new_map_published() -
     assert a.safe_to_delete(STREAM) == IntervalSet()
     for e in a.safe_to_delete(STREAM):
         a.apply(Retire(STREAM, 0, "nvme", e))
+
+
+def test_gc_keeps_the_newest_shared_epoch_of_the_member_that_lags_most() -> None:
+    """The portable cap: if c's host died now, its rank could only restore from the
+    shared tier, where it has epoch 3 at most; so 3 stays on every member."""
+    nodes = start(FIRST)
+    for e in range(1, 6):
+        for n in nodes.values():
+            save(n, e, "nvme", *(["s3"] if n.node_id != "c" or e <= 3 else []))
+        sync(*nodes.values())
+    a = nodes["a"]
+    assert a.restore_point(STREAM) == 5
+    assert a.safe_to_delete(STREAM) == IntervalSet.span(1, 2)  # not 3 and 4
+    assert a.status(STREAM).gc_horizon == 3
+    # Without a shared domain nothing survives a move: the horizon is the plain one.
+    plain = {m: NodeCore(m, 1) for m in FIRST}
+    for n in plain.values():
+        n.apply(Declare(StreamSpec.create(STREAM, FIRST, POLICY, 0)))
+    for e in range(1, 6):
+        for n in plain.values():
+            save(n, e, "nvme", *(["s3"] if n.node_id != "c" or e <= 3 else []))
+        sync(*plain.values())
+    assert plain["a"].safe_to_delete(STREAM) == IntervalSet.span(1, 4)
