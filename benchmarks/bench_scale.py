@@ -163,7 +163,7 @@ class _ScaleSimulation(Simulation):
 
     def _durable(self, nid: str, fact: Fact) -> None:
         super()._durable(nid, fact)
-        if self.t_final is not None and self.wall_final is None:
+        if self.liveness.t_final is not None and self.wall_final is None:
             self.wall_final = time.perf_counter()
             self.messages_at_final = self.net.messages
             self.records_at_final = self.records_sent()
@@ -203,7 +203,7 @@ def run_seed(task: tuple[int, int, int]) -> dict[str, Any]:
         out["warmup_wall_s"] = round(sim.wall_final - start, 3)
         out["agree_wall_s"] = round(end - sim.wall_final, 3)
     if r.converged and r.rounds_to_converge is not None:
-        spent = r.bytes - sim._bytes_at_final
+        spent = r.bytes - sim.liveness.bytes_at_final
         messages = r.messages - sim.messages_at_final
         records = sim.records_sent() - sim.records_at_final
         out |= {

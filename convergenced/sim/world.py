@@ -10,14 +10,14 @@ seed and same code give the same trace hash.
 A run has two phases. In the *safety* phase ranks train and save, the job deletes
 what the daemons allow, and faults strike; only S1-S4 and the gate can fail there.
 Then the network heals, every daemon comes back, every rank commits one final epoch
-and the *liveness* phase (S5) requires every node to reach the newest epoch of the
-true convergence interval within a bound of handshake rounds.
+and the *liveness* phase (S5, `liveness`) requires every node to reach the newest
+epoch of the true convergence interval within a bound of handshake rounds. With
+``--compare``, `baselines` scores what other tools would have restored meanwhile.
 """
 
 from __future__ import annotations
 
 import gc
-import math
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -28,8 +28,10 @@ from convergenced.core.node import GenerationResolved, RestorePointChanged
 from convergenced.core.overlay import DEFAULT_MESH_LIMIT, links
 from convergenced.core.records import Record
 from convergenced.core.spec import Policy, StreamSpec
+from convergenced.sim.baselines import Baselines
 from convergenced.sim.faults import FAULT_STEP, FAULTS, FaultInjector
 from convergenced.sim.job import Job
+from convergenced.sim.liveness import Liveness, liveness_bound
 from convergenced.sim.loop import EventLoop
 from convergenced.sim.network import STREAM, Connection, Network
 from convergenced.sim.node import LogWrite, SimNode
@@ -142,14 +144,11 @@ class Simulation:
         self.archive: list[Record] = []
         self.deferred = 0
         """Facts a paused daemon will take once it runs again."""
-        self.final_epoch: int | None = None
-        self.final_acks = 0
-        self._final_needed = 0
-        self.t_final: int | None = None
+        self.latency_us = cfg.latency_us
+        self.liveness = Liveness(self)
+        self.baselines = Baselines(self)
         self._check_all = cfg.check_every_event and cfg.nodes <= 64
         self._rp_moved = False
-        self._want: int | None = None
-        self._bytes_at_final = 0
         self.closed_below: dict[str, int] = {}
         self.amnesiac: set[str] = set()
         """Nodes that lost their state and have not heard from every member since."""
@@ -179,11 +178,11 @@ class Simulation:
         try:
             self._start()
             self.loop.run_until(self.cfg.safety_us, self._after_event)
-            self._begin_liveness()
+            self.liveness.begin()
             end = self.cfg.safety_us + self.cfg.liveness_limit_us
             self.loop.run_until(end, self._after_event)
             if not r.converged:
-                self._liveness_failure()
+                raise self.liveness.failure()
         except InvariantViolation as v:
             r.violation = v
         finally:
@@ -194,15 +193,32 @@ class Simulation:
         r.trace_hash = self.loop.trace_hash
         r.trace_tail = self.loop.trace_tail
         r.fault_counts = dict(self.faults.counts)
+        b = self.baselines
+        r.marker_samples, r.marker_invalid = b.samples, b.marker_invalid
+        r.convergence_invalid = b.convergence_invalid
         return r
 
     def _after_event(self) -> bool:
         if self._check_all:
             self._check_current_points()
-        if self._rp_moved and self.t_final is not None:
+        if self._rp_moved and self.liveness.t_final is not None:
             self._rp_moved = False
             return self._converged()
         return False
+
+    def _converged(self) -> bool:
+        live = self.liveness
+        if not live.converged():
+            return False
+        r = self.result
+        r.converged = True
+        r.restore_point = live.want
+        assert live.rounds is not None
+        r.rounds_to_converge = live.rounds
+        live.check_bound()
+        spent = self.net.bytes - live.bytes_at_final
+        r.bytes_per_node_per_round = spent / len(self.ids) / live.rounds
+        return True
 
     def _check_current_points(self) -> None:
         truth = self.truth
@@ -233,7 +249,7 @@ class Simulation:
                 self.job.start(nid)
         loop.at(FAULT_STEP, self._fault_step)
         if self.cfg.compare_marker:
-            loop.at(5_000, self._sample)
+            self.baselines.start()
 
     def _declare(self, nid: str) -> None:
         self.submit(nid, Declare(self.spec))
@@ -336,14 +352,8 @@ class Simulation:
         truth.touch()
         if fact.epoch not in truth.retired[key]:
             truth.available[key].add(fact.epoch)
-        if fact.epoch == self.final_epoch:
-            self.final_acks += 1
-            if self.final_acks == self._final_needed:
-                # Nothing changes the truth from here on: the target is fixed.
-                self.t_final = self.loop.now
-                self._bytes_at_final = self.net.bytes
-                self._want = self.expected_restore_point()
-                self._rp_moved = True
+        if self.liveness.acknowledged(fact.epoch):
+            self._rp_moved = True  # the target is fixed: check it now
 
     def _check_sent(self, nid: str, own: Record | None) -> None:
         if own is not None:
@@ -380,7 +390,7 @@ class Simulation:
         self.truth.crashed(nid, node.durable_high_water, state_lost=state_lost)
         self.loop.trace(f"fault crash {nid}")
         if self.cfg.compare_marker:
-            self._sample(reschedule=False)
+            self.baselines.sample(reschedule=False)
         self.net.node_down(nid, self.peers[nid])
 
     def lose_state(self, nid: str, *, floor_too: bool = False) -> None:
@@ -464,118 +474,3 @@ class Simulation:
     def recovery(self) -> None:
         """The job is relaunched: it asks for a new recovery generation (`job`)."""
         self.job.recovery()
-
-    # -- marker baseline ----------------------------------------------------------
-
-    def _sample(self, reschedule: bool = True) -> None:
-        if self.phase != "safety":
-            return
-        if reschedule:
-            self.loop.after(5_000, self._sample)
-        rank0 = self.spec.members[0][1][0]
-        domains = self.spec.policy.domains
-        saved = [self.truth.ever[(rank0, d)] for d in domains]
-        if not all(saved):
-            return
-        marker = min(max(s) for s in saved)
-        self.result.marker_samples += 1
-        # The same yardstick as S1 for convergenced: committed by every rank of
-        # every member and never deleted (losses count against neither).
-        if not self.truth.valid(marker):
-            self.result.marker_invalid += 1
-        for nid in self.ids:
-            core = self.nodes[nid].core
-            if core is not None and STREAM in core.streams():
-                rp = core.restore_point(STREAM)
-                if rp is not None and not self.truth.valid(rp):
-                    self.result.convergence_invalid += 1
-
-    # -- liveness -----------------------------------------------------------------
-
-    def _begin_liveness(self) -> None:
-        self.phase = "liveness"
-        self.loop.trace("liveness phase")
-        self.net.heal()
-        for nid in self.ids:
-            node = self.nodes[nid]
-            node.paused_until = 0
-            node.skew = 1.0
-            if not node.up:
-                self.restart(nid)
-        for a, b in self.pairs:
-            self.loop.after(0, self.net.connect, a, b)
-        self.loop.after(1_000, self._await_mesh)
-
-    def _quiet(self) -> bool:
-        """Every link up, every node declared, no fact on its way to a disk."""
-        up = all(
-            (c := self.net.get(a, b)) is not None and c.established_at is not None
-            for a, b in self.pairs
-        )
-        declared = all(
-            n.core is not None and STREAM in n.core.streams() for n in self.nodes.values()
-        )
-        busy = self.deferred or any(n.busy() for n in self.nodes.values())
-        return up and declared and not busy
-
-    def _await_mesh(self) -> None:
-        if not self._quiet():
-            self.loop.after(1_000, self._await_mesh)
-            return
-        top = max((max(s) for s in self.truth.ever.values() if s), default=0)
-        self.final_epoch = top + 1
-        self._final_needed = len(self.ids) * self.cfg.ranks_per_node * len(self.domains)
-        self.loop.trace(f"final commit {self.final_epoch}")
-        for nid in self.ids:
-            for rank in self.spec.ranks_of(nid):
-                for d in self.domains:
-                    fact = Commit(STREAM, rank, d.name, self.final_epoch)
-                    self.loop.after(1, self.submit, nid, fact)
-
-    def expected_restore_point(self) -> int | None:
-        """S5: the newest epoch of the true convergence interval at or above the floor."""
-        ci = self.truth.convergence()
-        hws = [h for h in (self.nodes[m].ever_high_water for m in self.ids) if h is not None]
-        floor = max(hws) - self.spec.retention if hws else 0
-        return ci.at_least(max(floor, 0)).max()
-
-    def _converged(self) -> bool:
-        if self.t_final is None:
-            return False
-        want = self._want
-        for nid in self.ids:
-            core = self.nodes[nid].core
-            if core is None or core.restore_point(STREAM) != want:
-                return False
-        r = self.result
-        r.converged = True
-        r.restore_point = want
-        rtt = 2 * self.cfg.latency_us
-        r.rounds_to_converge = max(1, math.ceil((self.loop.now - self.t_final) / rtt))
-        bound = liveness_bound(len(self.ids))
-        if r.rounds_to_converge > bound:
-            raise InvariantViolation(
-                "S5", f"converged after {r.rounds_to_converge} handshake rounds, bound {bound}"
-            )
-        spent = self.net.bytes - self._bytes_at_final
-        r.bytes_per_node_per_round = spent / len(self.ids) / r.rounds_to_converge
-        return True
-
-    def _liveness_failure(self) -> None:
-        want = self.expected_restore_point()
-        got = {
-            nid: (n.core.restore_point(STREAM) if n.core and STREAM in n.core.streams() else "-")
-            for nid, n in self.nodes.items()
-        }
-        raise InvariantViolation("S5", f"no convergence on {want} after healing: {got}")
-
-
-def liveness_bound(nodes: int) -> int:
-    """S5's bound on handshake rounds from the last commit to agreement after healing.
-
-    Two phases each cross the overlay's diameter (at most ceil(log2 N) hops), so
-    ``2 * ceil(log2 N)``; the slack of 8 covers what a healed cluster still carries
-    from the faulty phase (a token parked mid-exchange, a link's nudge already
-    spent). Fault-free runs are held to the tight bound by the tests.
-    """
-    return 2 * max(1, math.ceil(math.log2(max(nodes, 2)))) + 8
