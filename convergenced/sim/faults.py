@@ -11,7 +11,7 @@ fast or slow); every other fault is an event:
 * ``partition``: some directed pairs cannot talk (symmetric, one-way, a ring of
   majorities, or two halves joined by one bridge node);
 * ``crash``: a daemon dies (its unsynced facts and held bytes with it) and restarts
-  later from its log;
+  later from its log, and its ranks commit again the copies they find;
 * ``pause``: a daemon stops processing for a while (a GC pause, a stopped VM);
 * ``replay``: old records, from anywhere, arrive again;
 * ``retract``: a rank loses an epoch it had committed (and sometimes the job
@@ -22,11 +22,35 @@ fast or slow); every other fault is an event:
   ranks of the launch before die, one already asking may still reach its daemon;
 * ``lose_state``: a daemon dies and its state directory is lost (a replaced disk, a
   rescheduled pod): it comes back later from an empty log, with its identity and
-  its checkpoints (sometimes without the incarnation floor kept beside its key),
-  and its ranks commit again what they still hold;
+  its checkpoints (sometimes without the incarnation floor kept beside its key;
+  sometimes without its node-local checkpoints, the disk that held them gone too),
+  and its ranks commit again what they still find;
 * ``undeclare``: the job on one node ends and undeclares the stream; a job of the
   same name starts there 5-100 ms later and declares it again, finding its
   checkpoints on disk half the time (it commits them again) and nothing otherwise.
+
+Four faults change the job's membership (`MEMBERSHIP_FAULTS`): each relaunches the
+job with a new member map, as `launches` describes (one rank asks
+``next_generation``, every rank declares the new map with ``membership`` = that
+generation, the ranks that moved adopt the copies they find, every rank asks for the
+generation). The cluster then has `world.SPARES` pre-provisioned spare nodes from the
+start (peers and trust are static), which hold no stream until the job moves ranks to
+them; a run never has more nodes than that. With every fault enabled, a seed turns
+these four on with the chance `world.MEMBERSHIP_SHARE`; a list naming them turns them
+on in every seed.
+
+* ``replace``: a member's host dies for good, its disk with it; a spare that never
+  held a stream (a new node id, an empty disk) takes over every rank it hosted, and
+  those ranks adopt their shared copies there;
+* ``shrink``: the job relaunches on one node fewer (never below two); the removed
+  member's ranks move to the remaining members, which adopt their shared copies; the
+  removed node keeps running with the older spec, holding its node-local copies;
+* ``grow``: the job relaunches on one node more (a spare, or a node it left before):
+  it takes one rank each from some of the members hosting more than one;
+* ``leave``: a member leaves in the middle of a generation: the job is relaunched,
+  and once some member froze the launch's generation, one that did not (if any) goes
+  away (half the time its host dies for good) and the job relaunches without it, its
+  ranks moved to the remaining members (never below two).
 """
 
 from __future__ import annotations
@@ -36,16 +60,20 @@ from typing import Protocol
 from convergenced.core.facts import Fact, Retract
 from convergenced.core.records import Record
 from convergenced.core.spec import StreamSpec
+from convergenced.sim.launches import Launches
 from convergenced.sim.loop import EventLoop
 from convergenced.sim.network import STREAM, Network
 from convergenced.sim.node import SimNode
 from convergenced.sim.oracle import Truth
+from convergenced.sim.placement import Placement
 
 FAULTS = (
     "reset", "delay", "clog", "partition", "crash", "pause", "skew", "replay", "retract",
-    "lose_state", "undeclare", "relaunch",
+    "lose_state", "undeclare", "relaunch", "replace", "shrink", "grow", "leave",
 )  # fmt: skip
 """Every fault the simulator can inject (``--faults all``)."""
+MEMBERSHIP_FAULTS = frozenset({"replace", "shrink", "grow", "leave"})
+"""The faults that change the job's member map (the cluster then has spares)."""
 
 RATE_RANGES: dict[str, tuple[float, float]] = {
     "reset": (0.0, 0.25),
@@ -60,9 +88,20 @@ RATE_RANGES: dict[str, tuple[float, float]] = {
     "lose_state": (0.0, 0.04),
     "undeclare": (0.0, 0.03),
     "relaunch": (0.0, 0.06),
+    "replace": (0.0, 0.05),
+    "shrink": (0.0, 0.05),
+    "grow": (0.0, 0.05),
+    "leave": (0.0, 0.05),
 }
 """Per fault, the range its rate is drawn from: chance per fault step."""
 FAULT_STEP = 10_000
+LOCAL_TOO = 0.4
+"""How often ``lose_state`` takes the node-local checkpoints too (when there are any)."""
+MIN_MEMBERS = 2
+"""``shrink`` and ``leave`` never take the job below this many members."""
+LEAVE_POLL_US = 2_000
+LEAVE_WAIT_US = 60_000
+"""How long ``leave`` waits for a member to freeze the launch's generation."""
 
 
 class FaultTarget(Protocol):
@@ -73,8 +112,12 @@ class FaultTarget(Protocol):
     nodes: dict[str, SimNode]
     ids: list[str]
     spec: StreamSpec
+    placement: Placement
     truth: Truth
     archive: list[Record]
+    gone: set[str]
+    launches: Launches
+    phase: str
 
     def crash(self, nid: str) -> None:
         """Kill ``nid``'s daemon."""
@@ -85,14 +128,15 @@ class FaultTarget(Protocol):
     def would_forget_everything(self, nid: str) -> bool:
         """Whether no member would remember the stream if ``nid`` lost its state."""
 
-    def lose_state(self, nid: str, *, floor_too: bool = False) -> None:
+    def lose_state(self, nid: str, *, floor_too: bool = False, local_too: bool = False) -> None:
         """Kill ``nid``'s daemon and lose its state directory (and, with
-        ``floor_too``, the incarnation floor beside its identity key)."""
+        ``floor_too``, the incarnation floor beside its identity key; with
+        ``local_too``, its node-local checkpoints)."""
 
     def undeclare(self, nid: str, *, keep_checkpoints: bool) -> None:
         """The job on ``nid`` undeclares the stream; the next one declares it again."""
 
-    def submit(self, nid: str, fact: Fact) -> None:
+    def submit(self, nid: str, fact: Fact) -> str | None:
         """A rank of ``nid`` submits ``fact`` to its daemon."""
 
     def after_change(self, nid: str) -> None:
@@ -100,6 +144,12 @@ class FaultTarget(Protocol):
 
     def recovery(self) -> None:
         """The job restarts: every member asks for a new recovery generation."""
+
+    def gone_for_good(self, nid: str) -> None:
+        """``nid``'s host dies and never comes back, with its disk."""
+
+    def move_ranks(self, placement: Placement, why: str) -> int:
+        """The job relaunches with its ranks on ``placement``; returns the launch."""
 
 
 class FaultInjector:
@@ -110,6 +160,8 @@ class FaultInjector:
         rng = world.loop.rng
         self.rates = {f: (rng.uniform(*RATE_RANGES[f]) if f in enabled else 0.0) for f in FAULTS}
         self.counts: dict[str, int] = {}
+        self.hosted = set(world.spec.member_ids)
+        """Nodes that ever hosted ranks (a spare for ``replace`` never did)."""
 
     def skew_clocks(self) -> None:
         """Give some nodes a timer that runs fast or slow (the ``skew`` fault)."""
@@ -128,8 +180,8 @@ class FaultInjector:
             loop.trace("heal partition")
         for fault in FAULTS:
             rate = self.rates[fault]
-            if rate and fault != "skew" and loop.rng.random() < rate:
-                getattr(self, f"_{fault}")()
+            fired = rate and fault != "skew" and loop.rng.random() < rate
+            if fired and getattr(self, f"_{fault}")() is not False:  # False: nothing to do
                 self.counts[fault] = self.counts.get(fault, 0) + 1
 
     # -- the faults ----------------------------------------------------------------
@@ -209,8 +261,14 @@ class FaultInjector:
                 return
             # Three times in ten the incarnation floor goes too (kept beside a key in
             # a volume that died with the pod): the node must rise above its lost
-            # life from what its peers tell it.
-            w.lose_state(nid, floor_too=w.loop.rng.random() < 0.3)
+            # life from what its peers tell it. Sometimes the node-local tiers go too
+            # (the disk that held them): only the shared copies are left to commit.
+            rng = w.loop.rng
+            floor_too = rng.random() < 0.3
+            local_too = rng.random() < LOCAL_TOO and not set(w.spec.policy.domains) <= set(
+                w.spec.shared
+            )
+            w.lose_state(nid, floor_too=floor_too, local_too=local_too)
             w.loop.after(w.loop.rng.randint(20_000, 120_000), w.restart, nid)
 
     def _relaunch(self) -> None:
@@ -245,16 +303,20 @@ class FaultInjector:
     def _retract(self) -> None:
         w = self.world
         rng = w.loop.rng
-        nid = rng.choice(w.ids)
-        if not w.nodes[nid].up:
+        nid = rng.choice(w.spec.member_ids)
+        core = w.nodes[nid].core
+        if core is None or STREAM not in core.streams():
             return
-        rank = rng.choice(w.spec.ranks_of(nid))
+        ranks = core.spec(STREAM).ranks_of(nid)
+        if not ranks:
+            return
+        rank = rng.choice(ranks)
         domain = rng.choice(w.spec.policy.domains)
-        avail = sorted(w.truth.available[(rank, domain)])
+        avail = sorted(w.truth.storage.found(nid, rank, domain))
         if not avail:
             return
         epoch = avail[-1] if rng.random() < 0.5 else rng.choice(avail)
-        w.truth.available[(rank, domain)].discard(epoch)
+        w.truth.storage.lose(nid, rank, domain, epoch)
         w.truth.retractions += 1
         w.loop.trace(f"fault retract {nid} r{rank} {domain} {epoch}")
         w.submit(nid, Retract(STREAM, rank, domain, epoch))
@@ -264,4 +326,82 @@ class FaultInjector:
     def _undeclare(self) -> None:
         w = self.world
         rng = w.loop.rng
-        w.undeclare(rng.choice(w.ids), keep_checkpoints=rng.random() < 0.5)
+        w.undeclare(rng.choice(w.spec.member_ids), keep_checkpoints=rng.random() < 0.5)
+
+    # -- membership changes ----------------------------------------------------------
+
+    def _pool(self, *, fresh: bool) -> list[str]:
+        """Nodes the job could move ranks to: outside it and not gone (with
+        ``fresh``, only spares that never hosted ranks)."""
+        w = self.world
+        members = set(w.placement.node_ids())
+        return [n for n in w.ids if n not in members and n not in w.gone
+                and not (fresh and n in self.hosted)]  # fmt: skip
+
+    def _move(self, placement: Placement, why: str) -> int:
+        self.hosted.update(placement.node_ids())
+        return self.world.move_ranks(placement, why)
+
+    def _replace(self) -> bool:
+        w = self.world
+        spares = self._pool(fresh=True)
+        if not spares:
+            return False  # every spare is in use
+        rng = w.loop.rng
+        dead = rng.choice(w.placement.node_ids())
+        spare = rng.choice(spares)
+        w.gone_for_good(dead)
+        self._move(w.placement.replaced(dead, spare), f"replace {dead} by {spare}")
+        return True
+
+    def _shrink(self) -> bool:
+        w = self.world
+        members = w.placement.node_ids()
+        if len(members) <= MIN_MEMBERS:
+            return False
+        rng = w.loop.rng
+        out = rng.choice(members)
+        self._move(w.placement.shrunk(out, rng), f"shrink without {out}")
+        return True
+
+    def _grow(self) -> bool:
+        w = self.world
+        pool = self._pool(fresh=False)
+        rng = w.loop.rng
+        new = rng.choice(pool) if pool else None
+        placement = w.placement.grown(new, rng) if new is not None else None
+        if new is None or placement is None:
+            return False  # no node to grow onto, or no member to take a rank from
+        self._move(placement, f"grow onto {new}")
+        return True
+
+    def _leave(self) -> bool:
+        w = self.world
+        if len(w.placement.node_ids()) <= MIN_MEMBERS:
+            return False
+        w.loop.trace("fault leave: relaunch")
+        launch = w.launches.relaunch()
+        deadline = w.loop.now + LEAVE_WAIT_US
+        w.loop.after(LEAVE_POLL_US, self._leave_later, launch, deadline)
+        return True
+
+    def _leave_later(self, launch: int, deadline: int) -> None:
+        """Once some member froze the launch's generation, one that did not leaves."""
+        w = self.world
+        loop = w.loop
+        if w.launches.launch != launch or w.phase != "safety":
+            return  # relaunched meanwhile, or the faults stopped
+        members = w.placement.node_ids()
+        if len(members) <= MIN_MEMBERS:
+            return
+        g = w.launches.generation_of.get(launch)
+        froze = [m for m in members if g is not None and g in w.nodes[m].durable_frozen]
+        if not froze and loop.now < deadline:
+            loop.after(LEAVE_POLL_US, self._leave_later, launch, deadline)
+            return
+        rng = loop.rng
+        out = rng.choice([m for m in members if m not in froze] or members)
+        dies = rng.random() < 0.5
+        if dies:
+            w.gone_for_good(out)
+        self._move(w.placement.shrunk(out, rng), f"leave {out}{' dies' if dies else ''} g{g}")

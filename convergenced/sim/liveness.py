@@ -1,13 +1,16 @@
 """The liveness phase (S5): faults stop, and every member must converge in time.
 
 When the faulty phase ends, the network heals, paused and skewed daemons run
-normally, crashed ones restart and every link reconnects. Once every link is up,
-every node has declared the stream and no fact is on its way to a disk, every rank
-commits one final epoch in every domain of the policy. From the last acknowledgement
-of those commits the truth no longer changes, so the target is fixed: the newest
-epoch of the true convergence interval at or above the retention floor. The run
-converges when every node reports it, and fails S5 if that takes more than
-`liveness_bound` handshake rounds, or never happens before the run's time limit.
+normally, crashed ones restart (not those gone for good) and every link between
+running nodes reconnects. Once every such link is up, every member of the job holds
+its spec (a relaunch that moved ranks has declared its member map), and no fact is on
+its way to a disk, every rank commits one final epoch in every domain of the policy,
+on the node that hosts it. From the last acknowledgement of those commits the truth
+no longer changes, so the target is fixed: the newest epoch of the true convergence
+interval of the job's members at or above the retention floor. The run converges
+when every member reports it, and fails S5 if that takes more than `liveness_bound`
+handshake rounds, or never happens before the run's time limit. Nodes the job left
+keep whatever spec they held and are not waited for.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from convergenced.sim.loop import EventLoop
 from convergenced.sim.network import STREAM, Network
 from convergenced.sim.node import SimNode
 from convergenced.sim.oracle import InvariantViolation, Truth
+from convergenced.sim.placement import Placement
 from convergenced.sim.workload import DomainModel
 
 QUIET_POLL_US = 1_000
@@ -47,16 +51,18 @@ class LivenessWorld(Protocol):
     ids: list[str]
     pairs: list[tuple[str, str]]
     spec: StreamSpec
+    placement: Placement
     truth: Truth
     domains: list[DomainModel]
     phase: str
     deferred: int
     latency_us: int
+    gone: set[str]
 
     def restart(self, nid: str) -> None:
         """Start ``nid``'s daemon again from its log."""
 
-    def submit(self, nid: str, fact: Fact) -> None:
+    def submit(self, nid: str, fact: Fact) -> str | None:
         """A rank of ``nid`` submits ``fact`` to its daemon."""
 
 
@@ -88,17 +94,29 @@ class Liveness:
             node.skew = 1.0
             if not node.up:
                 w.restart(nid)
-        for a, b in w.pairs:
+        for a, b in self._pairs():
             w.loop.after(0, w.net.connect, a, b)
         w.loop.after(QUIET_POLL_US, self._await_mesh)
 
+    def _pairs(self) -> list[tuple[str, str]]:
+        gone = self.world.gone
+        return [(a, b) for a, b in self.world.pairs if a not in gone and b not in gone]
+
     def _quiet(self) -> bool:
-        """Every link up, every node declared, no fact on its way to a disk."""
+        """Every link between running nodes up, every member of the job holding its
+        spec, no fact on its way to a disk."""
         w = self.world
         up = all(
-            (c := w.net.get(a, b)) is not None and c.established_at is not None for a, b in w.pairs
+            (c := w.net.get(a, b)) is not None and c.established_at is not None
+            for a, b in self._pairs()
         )
-        declared = all(n.core is not None and STREAM in n.core.streams() for n in w.nodes.values())
+        spec = w.spec
+        declared = w.placement.same_as(spec.members) and all(
+            (core := w.nodes[m].core) is not None
+            and STREAM in core.streams()
+            and core.spec(STREAM) == spec
+            for m in spec.member_ids
+        )
         busy = w.deferred or any(n.busy() for n in w.nodes.values())
         return up and declared and not busy
 
@@ -107,13 +125,13 @@ class Liveness:
         if not self._quiet():
             w.loop.after(QUIET_POLL_US, self._await_mesh)
             return
-        top = max((max(s) for s in w.truth.ever.values() if s), default=0)
-        self.final_epoch = top + 1
+        self.final_epoch = w.truth.storage.newest() + 1
         self._final_needed = sum(len(r) for _, r in w.spec.members) * len(w.domains)
         w.loop.trace(f"final commit {self.final_epoch}")
-        for nid in w.ids:
+        for nid in w.spec.member_ids:
             for rank in w.spec.ranks_of(nid):
                 for d in w.domains:
+                    w.truth.storage.saved(nid, rank, d.name, self.final_epoch)
                     fact = Commit(STREAM, rank, d.name, self.final_epoch)
                     w.loop.after(1, w.submit, nid, fact)
 
@@ -134,8 +152,9 @@ class Liveness:
     def expected_restore_point(self) -> int | None:
         """S5: the newest epoch of the true convergence interval at or above the floor."""
         w = self.world
-        ci = w.truth.convergence()
-        hws = [h for h in (w.nodes[m].ever_high_water for m in w.ids) if h is not None]
+        ci = w.truth.convergence(w.spec)
+        members = w.spec.member_ids
+        hws = [h for h in (w.nodes[m].ever_high_water for m in members) if h is not None]
         floor = max(hws) - w.spec.retention if hws else 0
         return ci.at_least(max(floor, 0)).max()
 
@@ -146,7 +165,7 @@ class Liveness:
         if self.t_final is None:
             return False
         want = self.want
-        for nid in w.ids:
+        for nid in w.spec.member_ids:
             core = w.nodes[nid].core
             if core is None or core.restore_point(STREAM) != want:
                 return False
@@ -169,5 +188,6 @@ class Liveness:
         got = {
             nid: (n.core.restore_point(STREAM) if n.core and STREAM in n.core.streams() else "-")
             for nid, n in w.nodes.items()
+            if nid in w.spec.member_ids
         }
         return InvariantViolation("S5", f"no convergence on {want} after healing: {got}")

@@ -25,17 +25,17 @@ class EventLoop:
         self.rng = random.Random(seed)
         self.now = 0
         self.events_run = 0
-        self._q: list[tuple[int, int, Callable[..., None], tuple[Any, ...]]] = []
+        self._q: list[tuple[int, int, Callable[..., object], tuple[Any, ...]]] = []
         self._seq = 0
         self._trace = hashlib.sha256()
         self._tail: deque[str] = deque(maxlen=TRACE_TAIL)
 
-    def at(self, t: int, fn: Callable[..., None], *args: Any) -> None:
+    def at(self, t: int, fn: Callable[..., object], *args: Any) -> None:
         """Schedule ``fn(*args)`` at virtual time ``t`` (never in the past)."""
         self._seq += 1
         heapq.heappush(self._q, (max(t, self.now), self._seq, fn, args))
 
-    def after(self, delay: int, fn: Callable[..., None], *args: Any) -> None:
+    def after(self, delay: int, fn: Callable[..., object], *args: Any) -> None:
         """Schedule ``fn(*args)`` ``delay`` microseconds from now."""
         self.at(self.now + delay, fn, *args)
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from convergenced.sim.baselines import BASELINES
 from convergenced.sim.workload import lattice_fraction
 from convergenced.sim.world import FAULTS, Result, SimConfig, Simulation, liveness_bound
 
@@ -39,8 +40,9 @@ def replay_command(cfg: SimConfig) -> str:
         parts += ["--domains", str(cfg.domains)]
     if not cfg.workload:
         parts += ["--no-workload"]
-    if cfg.compare_marker:
-        parts += ["--compare", "marker"]
+    if cfg.compare:
+        compared = [b for b in BASELINES if b in cfg.compare]
+        parts += ["--compare", "all" if len(compared) == len(BASELINES) else compared[0]]
     return shlex.join(parts)
 
 
@@ -57,9 +59,8 @@ class Summary:
     bytes: int = 0
     wall_seconds: float = 0.0
     failures: list[dict[str, Any]] = field(default_factory=list)
-    marker_samples: int = 0
-    marker_invalid_restores: int = 0
-    convergence_invalid_restores: int = 0
+    compare: dict[str, int] = field(default_factory=dict)
+    """The baselines' counts, summed over the seeds (`Result.compare`)."""
     fault_counts: dict[str, int] = field(default_factory=dict)
     trace_hash: str | None = None
     bytes_per_node_per_round: list[float] = field(default_factory=list)
@@ -69,9 +70,8 @@ class Summary:
         self.runs += 1
         self.messages += r.messages
         self.bytes += r.bytes
-        self.marker_samples += r.marker_samples
-        self.marker_invalid_restores += r.marker_invalid
-        self.convergence_invalid_restores += r.convergence_invalid
+        for k, v in r.compare.items():
+            self.compare[k] = self.compare.get(k, 0) + v
         for k, v in r.fault_counts.items():
             self.fault_counts[k] = self.fault_counts.get(k, 0) + v
         if r.converged and r.rounds_to_converge is not None:
@@ -116,10 +116,24 @@ class Summary:
         }
         if self.trace_hash is not None:
             out["trace_hash"] = self.trace_hash
-        if self.marker_samples:
-            out["marker_samples"] = self.marker_samples
-            out["marker_invalid_restores"] = self.marker_invalid_restores
-            out["convergence_invalid_restores"] = self.convergence_invalid_restores
+        out |= self.compare_json()
+        return out
+
+    def compare_json(self) -> dict[str, int]:
+        """The ``--compare`` counts: per baseline ``<name>_samples``, ``_mixed``,
+        ``_unreadable`` and ``_invalid_restores`` (the two together), and
+        ``convergence_samples`` / ``convergence_invalid_restores``."""
+        c = self.compare
+        out: dict[str, int] = {}
+        for name in BASELINES:
+            if f"{name}_samples" in c:
+                mixed, unreadable = c.get(f"{name}_mixed", 0), c.get(f"{name}_unreadable", 0)
+                out |= {f"{name}_samples": c[f"{name}_samples"], f"{name}_mixed": mixed,
+                        f"{name}_unreadable": unreadable,
+                        f"{name}_invalid_restores": mixed + unreadable}  # fmt: skip
+        if "convergence_samples" in c:
+            out["convergence_samples"] = c["convergence_samples"]
+            out["convergence_invalid_restores"] = c.get("convergence_invalid", 0)
         return out
 
 
@@ -219,7 +233,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="none|all|NAME,...",
         help=f"faults to inject (default all): {', '.join(FAULTS)}",
     )
-    p.add_argument("--compare", choices=["marker"], help="also score the latest-marker baseline")
+    p.add_argument(
+        "--compare", choices=[*BASELINES, "all"],
+        help="also score what a baseline would have restored: marker (a latest marker, as "
+        "DeepSpeed and Megatron write it), torchtitan (the newest step with .metadata), all",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON object on the last line")
     p.add_argument("--jobs", type=_positive, default=1, help="worker processes (default 1)")
     p.add_argument("--ranks", type=_positive, default=2, help="ranks per node (default 2)")
@@ -236,6 +254,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-lattice", action="store_true", help="skip the epoch-lattice table")
 
 
+def _compared(choice: str | None) -> frozenset[str]:
+    if choice is None:
+        return frozenset()
+    return frozenset(BASELINES) if choice == "all" else frozenset({choice})
+
+
 def command(args: argparse.Namespace) -> int:
     """Run `convergenced sim`; exit 0 when every seed kept every invariant."""
     base = SimConfig(
@@ -244,7 +268,7 @@ def command(args: argparse.Namespace) -> int:
         ranks_per_node=args.ranks,
         domains=args.domains,
         safety_us=args.safety_ms * 1000,
-        compare_marker=args.compare == "marker",
+        compare=_compared(args.compare),
         workload=not args.no_workload,
     )
     configs = [replace(base, seed=s) for s in range(args.seed, args.seed + args.seeds)]
@@ -278,15 +302,15 @@ def _print_human(r: dict[str, Any]) -> None:
     ]
     if "trace_hash" in r:
         rows = [*rows, ("trace hash", r["trace_hash"])]
-    if "marker_samples" in r:
-        rows = [
-            *rows,
-            (
-                "latest-marker invalid",
-                f"{r['marker_invalid_restores']} of {r['marker_samples']} sampled restores",
-            ),
-            ("convergenced invalid", f"{r['convergence_invalid_restores']}"),
-        ]
+    for name, label in (("marker", "latest-marker"), ("torchtitan", "torchtitan")):
+        if f"{name}_samples" in r:
+            rows = [*rows, (f"{label} invalid",
+                            f"{r[f'{name}_invalid_restores']} of {r[f'{name}_samples']} sampled "
+                            f"restores ({r[f'{name}_mixed']} mixed, "
+                            f"{r[f'{name}_unreadable']} unreadable)")]  # fmt: skip
+    if "convergence_samples" in r:
+        rows = [*rows, ("convergenced invalid", f"{r['convergence_invalid_restores']} of "
+                        f"{r['convergence_samples']} sampled restore points")]  # fmt: skip
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")

