@@ -222,3 +222,21 @@ def test_members_of_the_cluster_are_taken() -> None:
     n = in_cluster("a", "b", "typo")
     n.admission.submit(Declare(TRIO))
     assert n.sync() == [Declare(TRIO)]
+
+
+def test_a_new_membership_declared_through_admission_is_applied_not_a_repeat() -> None:
+    """A relaunch's declaration of a new member map reaches the core through the
+    local API's `Admission`: it must move the stream to the new map (a declaration
+    of the spec held is the only repeat), and its Declare must reach the log."""
+    policy = Policy.any_of("nvme", "s3")
+    first = StreamSpec.create("moved", {"a": [0], "c": [1]}, policy, 0, shared=["s3"])
+    n = Node()
+    n.admission.submit(Declare(first))
+    n.sync()
+    new = StreamSpec.create("moved", {"a": [0], "d": [1]}, policy, 0, shared=["s3"],
+                            membership=1)  # fmt: skip
+    assert not n.admission.submit(Declare(new)).repeat
+    assert n.core.spec("moved") == new
+    assert n.sync() == [Declare(new)]
+    assert n.admission.submit(Declare(new)).repeat  # the same map again: a repeat
+    assert n.sync() == []

@@ -120,7 +120,9 @@ class Admission:
         is never mistaken for a repeat)."""
         if isinstance(fact, Declare):
             self.node.check(fact)  # a member's different spec is still a conflict
-            return fact.spec.name in self.node.streams()
+            name = fact.spec.name
+            # Checked: a declared stream with another spec is a new membership of it.
+            return name in self.node.streams() and self.node.spec(name) == fact.spec
         if isinstance(fact, Commit):
             self.node.check(fact)
             verdict = self.node.judge(fact)
