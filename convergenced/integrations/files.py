@@ -59,7 +59,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import queue
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -90,6 +89,7 @@ from convergenced.integrations.shards import (
     shard_path,
 )
 from convergenced.integrations.store_api import DaemonClient, Deleted, Restored, Tier
+from convergenced.integrations.uploads import Uploader
 
 __all__ = [
     "CheckpointError",
@@ -142,8 +142,9 @@ class CheckpointStore:
     """One rank's checkpoints of one stream on a local tier and an optional remote tier.
 
     `save` blocks only for the local write, its fsyncs and the local commit's
-    acknowledgement; a background thread uploads each saved shard to the remote tier
-    after ``upload_delay`` seconds and commits the remote domain. The store is
+    acknowledgement; a background thread (`convergenced.integrations.uploads`) uploads
+    each saved shard to the remote tier after ``upload_delay`` seconds and commits the
+    remote domain. The store is
     thread-safe; use it as a context manager or call `close`.
     """
 
@@ -184,16 +185,12 @@ class CheckpointStore:
         self.rank = rank
         self.local = local
         self.remote = remote
-        self._delay = upload_delay
         self._lock = threading.Lock()  # serializes an upload's copy + commit with gc
-        self._cond = threading.Condition()
-        self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
-        self._pending = 0
-        self._failures: list[tuple[int, BaseException]] = []
+        self._uploads = Uploader(
+            self._upload, upload_delay, name=f"convergenced-upload-{stream}-{rank}"
+        )
         self._collected: set[tuple[str, int]] = set()
-        self._stop = threading.Event()
         self._closed = False
-        self._thread: threading.Thread | None = None
         self.uploaded: list[int] = []
         """Epochs uploaded and committed to the remote tier, in order (for progress)."""
         self.skipped: list[int] = []
@@ -310,7 +307,7 @@ class CheckpointStore:
         with self._lock:
             self._collected.discard((self.local.domain, epoch))
         if self.remote is not None:
-            self._enqueue(epoch)
+            self._uploads.put(epoch)
         return Shard(self.stream, self.rank, epoch, digest, size, payload, path, self.local.domain)
 
     def _skip_retired(self, path: Path, epoch: int, refusal: ApiError) -> None:
@@ -322,41 +319,11 @@ class CheckpointStore:
         self.skipped.append(epoch)
         log.warning("epoch %d not saved, training goes on: %s", epoch, refusal)
 
-    def _enqueue(self, epoch: int) -> None:
-        with self._cond:
-            self._pending += 1
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._upload_loop,
-                name=f"convergenced-upload-{self.stream}-{self.rank}",
-                daemon=True,
-            )
-            self._thread.start()
-        self._queue.put(epoch)
-
-    def _upload_loop(self) -> None:
-        while True:
-            epoch = self._queue.get()
-            if epoch is None:
-                return
-            try:
-                if not self._stop.is_set():
-                    delay = self._delay(epoch) if callable(self._delay) else self._delay
-                    if delay <= 0 or not self._stop.wait(delay):
-                        self._upload(epoch)
-            except Exception as exc:
-                with self._cond:
-                    self._failures.append((epoch, exc))
-            finally:
-                with self._cond:
-                    self._pending -= 1
-                    self._cond.notify_all()
-
     def _upload(self, epoch: int) -> None:
         remote = self.remote
         assert remote is not None
         with self._lock:
-            if self._stop.is_set() or (remote.domain, epoch) in self._collected:
+            if self._uploads.stopped or (remote.domain, epoch) in self._collected:
                 return
             src = self.path(self.local, epoch)
             try:
@@ -390,8 +357,7 @@ class CheckpointStore:
     @property
     def pending_uploads(self) -> int:
         """Uploads saved but not yet finished."""
-        with self._cond:
-            return self._pending
+        return self._uploads.pending
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every upload queued so far has finished.
@@ -401,12 +367,7 @@ class CheckpointStore:
             UploadError: uploads failed since the last `flush` (each failure is
                 reported once).
         """
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._pending == 0, timeout):
-                raise TimeoutError(f"{self._pending} upload(s) still pending after {timeout} s")
-            failures, self._failures = self._failures, []
-        if failures:
-            raise UploadError(failures)
+        self._uploads.flush(timeout)
 
     def close(self, *, flush: bool = True, timeout: float | None = None) -> None:
         """Stop the uploader; with ``flush`` (the default), after the pending uploads.
@@ -428,10 +389,7 @@ class CheckpointStore:
                 self.flush(timeout)
         finally:
             self._closed = True
-            self._stop.set()
-            if self._thread is not None:
-                self._queue.put(None)
-                self._thread.join()
+            self._uploads.stop()
 
     def __enter__(self) -> CheckpointStore:
         return self
