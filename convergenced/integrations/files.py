@@ -9,13 +9,18 @@ so the daemon knows, per domain, what this rank can restore::
     from convergenced.client import Client
     from convergenced.integrations.files import CheckpointStore, Tier
 
+    SPEC = {
+        "name": "job",
+        "members": {"node-1": [0]},  # this launch's hosts: node id -> its ranks
+        "policy": {"mode": "any", "domains": ["nvme", "s3"]},
+        "shared": ["s3"],  # readable from any host
+    }
     client = Client()
-    client.declare(SPEC)
-    store = CheckpointStore(
-        client, "job", rank, Tier("nvme", "/nvme/ckpt"), Tier("s3", "/mnt/bucket/ckpt")
+    store = CheckpointStore(  # declares SPEC for this launch, commits what the tiers hold
+        client, SPEC, rank, Tier("nvme", "/nvme/ckpt"), Tier("s3", "/mnt/bucket/ckpt")
     )
     try:
-        epoch, payload = store.restore()  # a new generation's agreed restore point
+        epoch, payload = store.restore()  # the launch's agreed restore point
         start = load(payload)
     except NoRestorePointError:
         start = fresh()
@@ -41,11 +46,23 @@ which refuses shards of different epochs (`MixedEpochError`). `CheckpointStore.g
 deletes only epochs the daemon lists in ``safe_to_delete``, and retires each one
 before deleting it.
 
-**Daemon restarts.** The store opens by committing again every shard of its rank it
-finds in its tiers, after verifying each one, and does it again after its client
-reconnects to a daemon that restarted, so a daemon that lost its state directory
-learns again what this node holds (`convergenced.integrations.recommit` says what
-that costs, and why a shard the daemon says was retired is deleted).
+**Launches.** Given the stream's spec, the store declares it for this launch (a
+`convergenced.integrations.launches.Launch`: the recovery generation every rank
+restores and the membership every rank declares), so a relaunch on other hosts (a
+spare replaced a dead one, the job shrank or grew) declares the new member map by
+itself. A stream of one rank opens its own launch; with several ranks, one rank asks
+for it and every rank passes it (``launch=``), or
+`convergenced.integrations.torch.TorchCheckpointer` shares it over the process group.
+Given the stream's name, the store uses what the job declared itself.
+
+**Daemon restarts, and ranks that moved.** The store opens by committing again every
+shard of its rank it finds in its tiers, after verifying each one, and does it again
+after its client reconnects to a daemon that restarted, so a daemon that lost its
+state directory learns again what this node holds (`convergenced.integrations.recommit`
+says what that costs, and why a shard the daemon says was retired is deleted). A rank
+that moved to another host finds its shards in the shared remote tier the same way and
+commits them on its new node (*adoption*); the local tier it opens is its new host's,
+so nothing of another host's node-local storage is ever read.
 
 This module is the store; the shard format, the errors and the store's own types (its
 tiers, what it returns, what it needs of a client) live in
@@ -60,12 +77,14 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from convergenced import fsutil
 from convergenced.core.local_api_codec import ApiError, ErrorKind
+from convergenced.core.spec import StreamSpec
 from convergenced.integrations.errors import (
     CheckpointError,
     CorruptShardError,
@@ -75,7 +94,13 @@ from convergenced.integrations.errors import (
     ShardUnavailableError,
     UploadError,
 )
-from convergenced.integrations.launches import new_generation, solo_generation
+from convergenced.integrations.launches import (
+    Launch,
+    as_spec,
+    new_generation,
+    solo_generation,
+    solo_launch,
+)
 from convergenced.integrations.recommit import Ledger, Recommitted
 from convergenced.integrations.shards import (
     _EPOCH_DIR,
@@ -97,6 +122,7 @@ __all__ = [
     "CorruptShardError",
     "DaemonClient",
     "Deleted",
+    "Launch",
     "MixedEpochError",
     "NoRestorePointError",
     "Payload",
@@ -151,11 +177,12 @@ class CheckpointStore:
     def __init__(
         self,
         client: DaemonClient,
-        stream: str,
+        stream: str | StreamSpec | Mapping[str, Any],
         rank: int,
         local: Tier,
         remote: Tier | None = None,
         *,
+        launch: Launch | None = None,
         upload_delay: float | Callable[[int], float] = 0.0,
         recommit: bool = True,
     ) -> None:
@@ -163,10 +190,17 @@ class CheckpointStore:
 
         Args:
             client: a client of this node's daemon (`convergenced.client.Client`).
-            stream: the stream, declared on the daemon beforehand.
+            stream: the stream's spec (a `StreamSpec`, or the map ``declare`` takes)
+                with the member map of this launch, which the store declares for the
+                launch before anything else; or the stream's name, declared on the
+                daemon beforehand.
             rank: the rank this store saves for (hosted by this node).
-            local: the fast tier, written synchronously by `save`.
-            remote: the slow tier, written by the background uploader (None: no uploads).
+            local: the fast tier, written synchronously by `save`: this host's own.
+            remote: the slow tier, written by the background uploader (None: no
+                uploads); every host may share it.
+            launch: the launch to declare the spec for (`launches.new_launch` on one
+                rank, handed to every rank); None, with a spec: a stream of one rank
+                opens its own (`launches.solo_launch`). Only with a spec.
             upload_delay: seconds each upload takes on top of the copy (a number, or a
                 function of the epoch), to model an object store's lag.
             recommit: verify and commit again every shard of this rank found in the
@@ -174,12 +208,28 @@ class CheckpointStore:
                 restarted (`convergenced.integrations.recommit`).
 
         Raises:
-            ApiError: the daemon refused to take a shard found on disk again (say the
-                stream is not declared yet: declare before opening the store).
-            DaemonUnreachable: shards were found and the daemon cannot be reached.
+            CheckpointError: a spec of several ranks and no ``launch``.
+            SpecError: the spec is not valid.
+            ApiError: the daemon refused the declaration (``spec_conflict``,
+                ``membership_superseded``...) or to take a shard found on disk again
+                (say the stream is not declared: declare before opening the store).
+            DaemonUnreachable: the daemon cannot be reached.
         """
         if local.domain == (remote.domain if remote is not None else None):
             raise ValueError(f"local and remote tiers share the domain {local.domain!r}")
+        self.launch: Launch | None = None
+        """The launch the store declared its spec for (None: opened with a name)."""
+        self.spec: StreamSpec | None = None
+        """The spec the store declared (None: opened with the stream's name)."""
+        if isinstance(stream, str):
+            if launch is not None:
+                raise ValueError("launch= needs the stream's spec, which the store declares")
+        else:
+            spec = as_spec(stream)
+            self.launch = launch if launch is not None else solo_launch(client, spec)
+            self.spec = self.launch.spec(spec)
+            client.declare(self.spec)  # before the commits of what the tiers hold
+            stream = spec.name
         self.client = client
         self.stream = stream
         self.rank = rank
@@ -470,8 +520,10 @@ class CheckpointStore:
 
         Returns exactly the agreed epoch or raises: a newer shard on disk, or an older
         intact one, is never returned instead. Every rank of a launch must pass the
-        same generation, one no earlier launch resolved (`next_generation`); None asks
-        for a new one, which only a stream of a single rank may do.
+        same generation, one no earlier launch resolved (`next_generation`); None: the
+        generation of the launch the store declared its spec for, or, for a store
+        opened with the stream's name, a new one, which only a stream of one rank may
+        ask for.
 
         Raises:
             CheckpointError: ``generation`` is None and the stream has several ranks.
@@ -481,7 +533,9 @@ class CheckpointStore:
                 copies were retracted; ask again with a newer generation).
             ApiError: see `agreed_epoch`.
         """
-        if generation is None:
+        if generation is None and self.launch is not None:
+            generation = self.launch.generation
+        elif generation is None:
             generation = solo_generation(self.client, self.stream, timeout)
         epoch = self.agreed_epoch(generation, timeout)
         shard = self.read(epoch)

@@ -7,10 +7,12 @@ and what it needs of a client (`DaemonClient`). Re-exported by
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
+from convergenced.core.spec import StreamSpec
 from convergenced.integrations.shards import Payload
 
 __all__ = ["DaemonClient", "Deleted", "Restored", "Tier"]
@@ -49,6 +51,10 @@ class Deleted:
 
 class DaemonClient(Protocol):
     """What the store needs of a client (`convergenced.client.Client` has it)."""
+
+    def declare(self, spec: StreamSpec | Mapping[str, Any]) -> dict[str, Any]: ...
+
+    def status(self) -> dict[str, Any]: ...
 
     def commit(
         self, stream: str, rank: int, domain: str, epoch: int, *, digest: str = "", size: int = 0

@@ -14,10 +14,13 @@ its own node's daemon and saves its own shard (the full replica under DDP: each 
 keeps its own RNG states). There is no collective on the save path: a rank that dies
 mid-save leaves the others' saves intact, and the daemons agree on the newest epoch
 every rank finished. After a restart every rank asks for the restore point of a new
-recovery generation: `TorchCheckpointer.restore` without a generation has rank 0 ask
-its daemon for one and broadcasts it over the process group, so a relaunch needs no
-counter from the launcher (torchrun's restart count starts again at 0 with every new
-launch, and reusing it gets an older launch's answer)::
+recovery generation: a checkpointer given the stream's spec has rank 0 ask its daemon
+for one when it is created, and broadcasts it over the process group with the
+membership to declare (`convergenced.integrations.launches.shared_launch`), so a
+relaunch needs no counter from the launcher (torchrun's restart count starts again at
+0 with every new launch, and reusing it gets an older launch's answer), and a relaunch
+on other hosts (a spare in place of a dead host, fewer or more hosts) declares its new
+member map by itself: the spec lists the hosts of this launch::
 
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -26,11 +29,17 @@ launch, and reusing it gets an older launch's answer)::
     from convergenced.integrations.files import NoRestorePointError, Tier
     from convergenced.integrations.torch import TorchCheckpointer
 
+    SPEC = {  # this launch's hosts: node id -> the ranks it hosts
+        "name": "job",
+        "members": {"gpu-1": [0, 1], "gpu-2": [2, 3]},
+        "policy": {"mode": "any", "domains": ["nvme", "s3"]},
+        "shared": ["s3"],  # readable from any host: a rank that moves keeps it
+    }
     dist.init_process_group("gloo")  # or nccl
     rank = dist.get_rank()
     client = Client()  # this node's daemon ($CONVERGENCED_SOCKET)
-    ckpt = TorchCheckpointer(
-        client, "job", rank, Tier("nvme", "/nvme/ckpt"), Tier("s3", "/mnt/bucket/ckpt")
+    ckpt = TorchCheckpointer(  # a collective: declares SPEC for this launch
+        client, SPEC, rank, Tier("nvme", "/nvme/ckpt"), Tier("s3", "/mnt/bucket/ckpt")
     )
     model = DDP(Net())
     optimizer = torch.optim.AdamW(model.parameters())
@@ -94,6 +103,7 @@ from collections.abc import Callable, Iterable, Mapping
 from types import ModuleType, TracebackType
 from typing import Any, NamedTuple, Protocol, TypedDict, Unpack, cast
 
+from convergenced.core.spec import StreamSpec
 from convergenced.integrations.errors import (
     CheckpointError,
     CorruptShardError,
@@ -103,7 +113,7 @@ from convergenced.integrations.errors import (
     ShardUnavailableError,
 )
 from convergenced.integrations.files import CheckpointStore, DaemonClient, Deleted, Tier
-from convergenced.integrations.launches import shared_generation
+from convergenced.integrations.launches import Launch, shared_generation, shared_launch
 from convergenced.integrations.shards import Shard, load_consistent
 
 __all__ = [
@@ -348,27 +358,54 @@ class TorchCheckpointer:
     def __init__(
         self,
         client: DaemonClient,
-        stream: str,
+        stream: str | StreamSpec | Mapping[str, Any],
         rank: int,
         local: Tier,
         remote: Tier | None = None,
+        *,
+        group: Any = None,
+        launch: Launch | None = None,
         **store_kwargs: Unpack[StoreOptions],
     ) -> None:
-        """A checkpointer for ``rank`` of ``stream`` (declared on the daemon beforehand).
+        """A checkpointer for ``rank`` of ``stream``.
+
+        Given the stream's spec, creating it is a collective of ``group`` (as creating
+        a ``DistributedDataParallel`` is): rank 0 asks its daemon for a new launch
+        and broadcasts it (`convergenced.integrations.launches.shared_launch`), then
+        every rank declares the spec for it, with the membership it says, and opens
+        its store, which commits what its tiers hold (a rank on a new host finds its
+        shards in the shared remote tier); `restore` then restores the launch's
+        generation.
 
         Args:
             client: a client of this rank's own node's daemon.
-            stream: the stream's name.
+            stream: the stream's spec (a `StreamSpec`, or the map ``declare`` takes)
+                with the member map of this launch, the same on every rank; or the
+                stream's name, declared on the daemon beforehand.
             rank: this process's rank (``torch.distributed.get_rank()``).
-            local: the fast tier, written synchronously by `save`.
-            remote: the slow tier, filled by the store's background uploader.
+            local: the fast tier, written synchronously by `save`: this host's own.
+            remote: the slow tier, filled by the store's background uploader; every
+                host may share it.
+            group: the process group that shares the launch and new generations
+                (None: the default group; a single process without one opens its
+                own, on a stream of one rank).
+            launch: the launch to declare the spec for, when the job shares it its own
+                way (then creating the checkpointer is no collective).
             store_kwargs: passed on to `CheckpointStore` (``upload_delay``).
 
         Raises:
             ImportError: torch is not installed.
+            CheckpointError: rank 0 got no launch from its daemon.
+            SpecError, ApiError, DaemonUnreachable: see `CheckpointStore`.
         """
         _require_torch()
-        self.store = CheckpointStore(client, stream, rank, local, remote, **store_kwargs)
+        if not isinstance(stream, str) and launch is None:
+            launch = shared_launch(client, stream, group=group)
+        self.group = group
+        """The process group that shares new generations."""
+        self.store = CheckpointStore(
+            client, stream, rank, local, remote, launch=launch, **store_kwargs
+        )
         """The underlying store (paths, `CheckpointStore.read`, `CheckpointStore.flush`...)."""
         self.restored_from: str | None = None
         """The domain the last `restore` read its shard from."""
@@ -435,8 +472,9 @@ class TorchCheckpointer:
         read and verified in full before anything is modified.
 
         Args:
-            generation: the recovery generation; None (the default): a new one, asked
-                by rank 0 of ``group`` and broadcast to the other ranks
+            generation: the recovery generation; None (the default): the launch's,
+                when the checkpointer was given the stream's spec; else a new one,
+                asked by rank 0 of ``group`` and broadcast to the other ranks
                 (`convergenced.integrations.launches.shared_generation`, a
                 collective), so every launch gets one no earlier launch resolved. An
                 explicit number must be the same on every rank and new for each
@@ -445,8 +483,8 @@ class TorchCheckpointer:
             map_location: as for ``torch.load`` (default ``"cpu"``;
                 ``load_state_dict`` copies to the parameters' devices).
             weights_only: as for ``torch.load``; see the module docstring.
-            group: the process group that shares a new generation (None: the default
-                group; a single process without one opens its own).
+            group: the process group that shares a new generation (None: the
+                checkpointer's).
 
         Raises:
             NoRestorePointError: no epoch is restorable on every member: start fresh.
@@ -458,8 +496,11 @@ class TorchCheckpointer:
                 state of an ``optimizer`` or ``scheduler`` given.
             ApiError: see `CheckpointStore.agreed_epoch`.
         """
-        if generation is None:
-            generation = shared_generation(self.store.client, self.stream, group=group,
+        if generation is None and self.store.launch is not None:
+            generation = self.store.launch.generation
+        elif generation is None:
+            generation = shared_generation(self.store.client, self.stream,
+                                           group=self.group if group is None else group,
                                            timeout=timeout)  # fmt: skip
         self.generation = generation
         epoch = self.store.agreed_epoch(generation, timeout)
