@@ -116,7 +116,7 @@ def test_the_change_is_reported_and_the_restore_point_starts_over() -> None:
     events(a)
     a.apply(Declare(spec({"a": [0], "b": [1], "d": [2]}, membership=1)))
     got = events(a)
-    assert MembershipChanged(STREAM, 1, ("c",), ("d",), (2,)) in got
+    assert MembershipChanged(STREAM, 1, ("c",), ("d",), (2,), (("c", "d"),)) in got
     assert RestorePointChanged(STREAM, 3, None, True) in got
     assert a.restore_point(STREAM) is None  # d's record is missing: nothing is known
     assert a.own_record(STREAM) is not None and a.own_record(STREAM).membership == 1  # type: ignore[union-attr]
@@ -289,3 +289,20 @@ def test_gc_keeps_the_newest_shared_epoch_of_the_member_that_lags_most() -> None
             save(n, e, "nvme", *(["s3"] if n.node_id != "c" or e <= 3 else []))
         sync(*plain.values())
     assert plain["a"].safe_to_delete(STREAM) == IntervalSet.span(1, 4)
+
+
+def test_the_change_says_which_member_replaced_which() -> None:
+    """``replaced`` pairs a member that left with one that joined hosting its ranks;
+    a rank taken over by a member that stayed is moved, not a replacement."""
+    four = {"a": [0], "b": [1], "c": [2], "e": [3]}
+    a = start(four)["a"]
+    events(a)
+    a.apply(Declare(spec({"a": [0, 3], "d": [1, 2]}, membership=1)))
+    changed = [e for e in events(a) if isinstance(e, MembershipChanged)]
+    assert changed == [MembershipChanged(STREAM, 1, ("b", "c", "e"), ("d",), (1, 2, 3),
+                                         (("b", "d"), ("c", "d")))]  # fmt: skip
+    a.apply(Declare(spec({"a": [0, 1, 2, 3]}, membership=2)))  # shrink: nobody joins
+    assert [e for e in events(a) if isinstance(e, MembershipChanged)] == [
+        MembershipChanged(STREAM, 2, ("d",), (), (1, 2), ())
+    ]
+

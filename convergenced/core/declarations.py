@@ -113,12 +113,13 @@ class Declarations:
         st.agreement.observe_many(list(self.view.stream(spec.name).values()))
         old_rp = st.decision.restore_point if st.decision is not None else None
         st.decision = None
-        self._events.append(MembershipChanged(
-            spec.name, spec.membership,
-            tuple(m for m in old.member_ids if m not in spec.member_ids),
-            tuple(m for m in spec.member_ids if m not in old.member_ids),
-            moved,
-        ))  # fmt: skip
+        left = tuple(m for m in old.member_ids if m not in spec.member_ids)
+        joined = tuple(m for m in spec.member_ids if m not in old.member_ids)
+        replaced = sorted({(old_hosts[r], n) for n, ranks in spec.members for r in ranks
+                           if old_hosts.get(r) in left and n in joined})  # fmt: skip
+        self._events.append(
+            MembershipChanged(spec.name, spec.membership, left, joined, moved, tuple(replaced))
+        )
         if old_rp is not None:
             self._events.append(RestorePointChanged(spec.name, old_rp, None, True))
 

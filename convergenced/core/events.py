@@ -62,6 +62,9 @@ class MembershipChanged:
     """Members of the new map that were not in the previous one."""
     moved_ranks: tuple[int, ...]
     """Ranks hosted by another node than before (including those of members that left)."""
+    replaced: tuple[tuple[str, str], ...] = ()
+    """(left, joined) pairs, sorted: a member that left, and one that joined hosting
+    some of its ranks (a spare that took over a host)."""
 
 
 NodeEvent = (

@@ -506,6 +506,11 @@ def status_to_wire(s: StreamStatus) -> dict[str, Any]:
         "skew": s.skew,
         "domain_skew": domain_skew(s.newest),
         "generations": list(s.generations),
+        # Memberships (PROTOCOL.md 8.1): generations below the spec's membership were
+        # frozen under an older member map and are never answered again here.
+        "membership": s.spec.membership,
+        "older_map_generations": [g for g in s.generations if g < s.spec.membership],
+        "moved_on": dict(s.moved_on),
     }
 
 

@@ -40,6 +40,10 @@ class StreamStatus:
     generations: tuple[int, ...]
     why_no_restore_point: str | None = None
     """When there is no restore point, why, in a sentence (None when there is one)."""
+    moved_on: tuple[tuple[str, int], ...] = ()
+    """Members whose record names a newer membership than this node's spec, with it:
+    the job declared a new member map this node is not in, or has not declared yet
+    (PROTOCOL.md 8.1)."""
 
 
 def describe(
@@ -88,6 +92,11 @@ def describe(
         newest=newest,
         skew=max(tops) - min(tops) if complete else None,
         generations=tuple(g for g, _ in facts.generations.open_sets()),
+        moved_on=tuple(
+            (m, r.membership)
+            for m in spec.member_ids
+            if (r := records.get(m)) is not None and r.membership > spec.membership
+        ),
         why_no_restore_point=None
         if d.restore_point is not None
         else _why_none(spec, d, agreement, missing, waiting_for=waiting_for, records=records),
