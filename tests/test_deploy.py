@@ -686,6 +686,10 @@ def test_alerts_fire_when_they_should(tmp_path: Path) -> None:
                 series("convergenced_peer_up", "1x12", peer="n3", **n1),
                 series("convergenced_rollbacks_total", "0 0 1 1", stream="s", **n1),
                 series("convergenced_rollbacks_total", "0 0 0 0", stream="t", **n1),
+                # A new member map drops the restore point once: no alert for that.
+                series("convergenced_rollbacks_total", "0 0 1 1", stream="m", **n1),
+                series("convergenced_membership_changes_total", "0 0 1 1", stream="m", **n1),
+                series("convergenced_membership_changes_total", "0 0 0 0", stream="t", **n1),
                 series("convergenced_frames_rejected_total", "0+2x20", reason="bad_hello", **n1),
                 series("convergenced_records_rejected_total", "0 0 3 3", reason="unsigned", **n1),
                 series(bucket, "0+100x20", le="0.05", **n1),

@@ -85,6 +85,9 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("retractions", "counter", S, "epochs reported lost or corrupt"),
     _m("spec_conflicts", "counter", S, "members seen publishing a different spec for the "
        "stream (declared, or refused and noticed)"),
+    _m("membership_changes", "counter", S, "new member maps this node moved to (a spare "
+       "replaced a host, the job shrank or grew); the log line `membership changed` names "
+       "the members that left, joined and replaced others"),
     _m("state_losses", "counter", (), "times this node learned of a life of its own it did not "
        "remember (its state directory was lost) and rose above it"),
     # -- peers

@@ -26,8 +26,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from convergenced import __version__
 from convergenced.core.errors import ProtocolError
 from convergenced.core.facts import Commit, Declare, Fact, Retract, Undeclare
+from convergenced.core.interval_set import IntervalSet
 from convergenced.core.node import (
     GenerationResolved,
+    MembershipChanged,
     NodeEvent,
     RestorePointChanged,
     SpecConflictDetected,
@@ -82,6 +84,7 @@ class Telemetry:
         self.rollbacks = _counter("rollbacks", r)
         self.spec_conflicts = _counter("spec_conflicts", r)
         self.state_losses = _counter("state_losses", r)
+        self.membership_changes = _counter("membership_changes", r)
         self.api_errors = _counter("api_errors", r)
         self.frames_rejected = _counter("frames_rejected", r)
         self.records_rejected = _counter("records_rejected", r)
@@ -111,6 +114,7 @@ class Telemetry:
         for stream, domains in streams:
             self.rollbacks.labels(stream=stream)
             self.retractions.labels(stream=stream)
+            self.membership_changes.labels(stream=stream)
             for domain in domains:
                 for outcome in ("accepted", "rejected"):
                     self.commits.labels(domain=domain, outcome=outcome)
@@ -147,7 +151,8 @@ class Telemetry:
             self.retractions.labels(stream=fact.stream).inc()
         elif isinstance(fact, Undeclare):
             log.info("stream undeclared", stream=fact.stream)
-            for family in (self.rollbacks, self.retractions, self.spec_conflicts, self.recovery):
+            for family in (self.rollbacks, self.retractions, self.spec_conflicts, self.recovery,
+                           self.membership_changes):  # fmt: skip
                 with contextlib.suppress(KeyError):  # labels stay bounded by declared streams
                     family.remove(fact.stream)
             self._restore_point_since.pop(fact.stream, None)
@@ -196,6 +201,13 @@ class Telemetry:
                         "does not remember, rose above it and adopted what that life "
                         "published", seen_incarnation=ev.seen,
                         incarnation=ev.incarnation)  # fmt: skip
+        elif isinstance(ev, MembershipChanged):
+            self.membership_changes.labels(stream=ev.stream).inc()
+            # Members are unbounded: they go in the log line, never in labels.
+            log.info("membership changed", stream=ev.stream, membership=ev.membership,
+                        left=list(ev.left), joined=list(ev.joined),
+                        replaced=[f"{old} -> {new}" for old, new in ev.replaced],
+                        moved_ranks=_ranges(ev.moved_ranks))  # fmt: skip
         elif isinstance(ev, GenerationResolved):
             log.info("recovery generation resolved", stream=ev.stream,
                      generation=ev.generation, restore_point=ev.restore_point)  # fmt: skip
@@ -306,7 +318,7 @@ class Telemetry:
         ``peer_refused_<reason>`` (TLS refusals), ``peer_connections_refused``,
         ``peer_rejected_<reason>``
         (protocol violations), ``records_rejected_<reason>``, ``peer_reconnects``,
-        ``rollbacks``, ``spec_conflicts``, ``wal_fsyncs``, ``wal_entries``,
+        ``rollbacks``, ``spec_conflicts``, ``membership_changes``, ``wal_fsyncs``, ``wal_entries``,
         ``wal_compactions``. Counters still at zero are left out.
         """
         out: dict[str, int] = {}
@@ -333,6 +345,7 @@ class Telemetry:
                 add(f"peer_rejected_{reason}", v)
         for name, counter in (("peer_reconnects", self.reconnects), ("rollbacks", self.rollbacks),
                               ("spec_conflicts", self.spec_conflicts),
+                              ("membership_changes", self.membership_changes),
                               ("state_losses", self.state_losses),
                               ("wal_entries", self.wal_entries),
                               ("wal_compactions", self.wal_compactions),
@@ -345,6 +358,12 @@ class Telemetry:
                 if s.name.endswith("_count"):
                     add("wal_fsyncs", s.value)
         return dict(sorted(out.items()))
+
+
+def _ranges(ranks: Iterable[int]) -> str:
+    """``0-3, 7``: ranks in a short form (a large job moves thousands)."""
+    spans = IntervalSet.of(*ranks).ranges
+    return ", ".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in spans)
 
 
 def _samples(counter: Counter) -> Iterable[tuple[dict[str, str], float]]:
