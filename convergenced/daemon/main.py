@@ -48,7 +48,7 @@ from convergenced.daemon.http import HttpEndpoint
 from convergenced.daemon.localapi.descriptors import size_clients
 from convergenced.daemon.localapi.unix_socket import open_unix_listener
 from convergenced.daemon.notify import Notifier
-from convergenced.daemon.peers.manager import link_config
+from convergenced.daemon.peers.manager import link_config, overlay_peers
 from convergenced.daemon.peers.security import PeerSecurity, load_security
 from convergenced.daemon.telemetry import Telemetry
 from convergenced.daemon.wiring import Running, assemble, cluster_members
@@ -414,6 +414,10 @@ class Daemon:
         r.commits.compact_bytes = kept.wal_compact_bytes
         r.operations.admission.cluster = cluster_members(kept)
         r.hub.link_config = link_config(kept)
+        # A node unsure of its past waits to hear from the peers it links to: a peer
+        # removed from the file (a dead host) is waited for no more.
+        r.node.plan_links(sorted(overlay_peers(kept)))
+        r.hub.view_changed()  # what waited for that peer looks again
         self._prime_metrics()
         r.peers.start_dialers(self._nursery, kept)
         log.info("configuration reloaded", peers=[p.node_id for p in kept.peers],

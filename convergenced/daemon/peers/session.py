@@ -212,6 +212,9 @@ class PeerSession:
                 elif isinstance(ev, ExchangeDone):
                     self._exchange_done(ev.seq)
                 elif isinstance(ev, Established):
+                    # A HELLO can settle a node unsure of its past (`core.lives`)
+                    # without merging a record: wake what waits for that too.
+                    changed = True
                     self._up = True
                     self.hub.telemetry.link_up(
                         ev.peer, self.address, self.link.role.value, ev.incarnation
