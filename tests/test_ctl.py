@@ -184,6 +184,10 @@ def test_state_text_and_json(ctl: Ctl, c1: Client, c2: Client, stream: str) -> N
         "recoverable     1-3, 6",
         "missing         none",
         "conflicts       none",
+        "membership      0 (the stream's first member map)",
+        "members         node-1: 0, node-2: 1",
+        "scopes          node-local nvme",
+        "generations     none",
         "  member  nvme",
         "  node-1  6",
         "  node-2  3",
@@ -194,6 +198,41 @@ def test_state_text_and_json(ctl: Ctl, c1: Client, c2: Client, stream: str) -> N
     state = ctl.json("state", stream, node=2)
     assert state["restore_point"] == 3
     assert state["newest"] == {"node-1": {"nvme": 6}, "node-2": {"nvme": 3}}
+    assert (state["membership"], state["older_map_generations"], state["moved_on"]) == (0, [], {})
+
+
+def test_state_shows_the_member_map_in_force_and_generations_of_older_maps() -> None:
+    from convergenced.ctl.formatting import format_state
+
+    spec = {"name": "job", "members": {"node-1": [0, 1, 2, 3, 7], "node-4": [4, 5, 6]},
+            "policy": {"mode": "any", "domains": ["nvme", "s3"]}, "retention": 0,
+            "shared": ["s3"], "membership": 5}  # fmt: skip
+    state = {"stream": "job", "spec": spec, "recoverable": [], "convergence": None,
+             "proposal": None, "restore_point": None, "knowledge": "incomplete",
+             "gc_horizon": None, "safe_to_delete": [], "missing": [], "conflicts": [],
+             "newest": {}, "generations": [3, 5], "membership": 5,
+             "older_map_generations": [3], "moved_on": {}}  # fmt: skip
+    lines = format_state(state).splitlines()
+    for expected in (
+        "membership      5 (this member map applies from generation 5 on)",
+        "members         node-1: 0-3, 7, node-4: 4-6",
+        "scopes          shared s3; node-local nvme",
+        "generations     5; older member map: 3 (protecting their epochs, never answered again)",
+    ):
+        assert expected in lines, f"{expected!r} not in {lines}"
+    assert not [line for line in lines if line.startswith("moved on")]
+    # A node the job left behind: its members declared a newer map.
+    behind = state | {
+        "membership": 0,
+        "spec": spec | {"membership": 0},
+        "generations": [],
+        "older_map_generations": [],
+        "moved_on": {"node-4": 5, "node-1": 5},
+    }
+    lines = format_state(behind).splitlines()
+    assert ("moved on        node-1, node-4 to membership 5 (a member map this node is not "
+            "in, or has not declared yet)") in lines  # fmt: skip
+    assert "generations     none" in lines
 
 
 def test_state_of_an_unknown_stream_fails(ctl: Ctl) -> None:
@@ -252,6 +291,24 @@ def test_declare_from_json_and_toml_spec_files(ctl: Ctl, tmp_path: Path) -> None
     # The inline form of the same spec is the same spec.
     inline = ("--member", "node-1=0", "--member", "node-2=1", "--all-of", "nvme,s3")
     assert ctl.json("declare", "fromfile", *inline, "--retention", "4") == by_json
+
+
+def test_declare_with_shared_domains_and_a_membership(ctl: Ctl, c1: Client, tmp_path: Path) -> None:
+    members = ("--member", "node-1=0", "--member", "node-2=1")
+    args = ("declare", "moved", *members, "--any-of", "nvme,s3", "--shared", "s3")
+    code, _, err = ctl(*args, "--membership", "3")
+    assert (code, err) == (0, "")
+    state = c1.state("moved")
+    assert (state["spec"]["shared"], state["membership"]) == (["s3"], 3)
+    # A launcher's spec file holds the map; the generation comes from next-generation.
+    spec = {"name": "moved", "members": {"node-1": [0], "node-2": [1]}, "retention": 0,
+            "policy": {"mode": "any", "domains": ["nvme", "s3"]}, "shared": ["s3"]}  # fmt: skip
+    path = tmp_path / "moved.json"
+    path.write_text(json.dumps(spec))
+    by_file = ctl.json("declare", "--spec", str(path), "--membership", "3", node=2)
+    assert by_file == ctl.json(*args, "--membership", "3")
+    code, _, err = ctl("declare", "--spec", str(path), "--shared", "s3")
+    assert code == 2 and "--spec excludes" in err
 
 
 def test_conflicting_declare_fails(ctl: Ctl, stream: str) -> None:

@@ -360,3 +360,15 @@ def test_no_stream_exits_1_ctrl_c_exits_0_daemon_gone_exits_3() -> None:
                         assert p.stderr.read().startswith("convergencectl: unreachable: ")
                 finally:
                     p.kill()  # a failed assertion must not leave __exit__ waiting
+
+
+def test_the_frame_shows_the_membership_and_the_members_that_moved_on() -> None:
+    spec = state_map()["spec"] | {"shared": ["s3"], "membership": 4}
+    frame = render_top(state_map(spec=spec, membership=4), status_map())
+    assert "membership     4 (shared s3; node-local nvme)" in frame.splitlines()
+    assert "moved on" not in frame
+    behind = state_map(membership=0, moved_on={"node-2": 4})
+    lines = render_top(behind, status_map()).splitlines()
+    assert "membership     0 (node-local nvme, s3)" in lines
+    assert "moved on       node-2 to membership 4" in lines
+    assert cells("\n".join(lines))["node-2"][-2:] == ["moved", "on"]

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from convergenced.core.interval_set import IntervalSet
+
 # -- human output --------------------------------------------------------------------------
 
 
@@ -121,6 +123,7 @@ def format_state(st: Mapping[str, Any]) -> str:
                 f"{policy['mode']} of [{', '.join(policy['domains'])}], retention "
                 f"{spec['retention']}, {len(spec['members'])} members, {ranks} ranks",
             ),
+            *_membership(st),
             ("restore point", _value(st["restore_point"])),
             *([("why none", why)] if (why := st.get("why_no_restore_point")) else []),
             ("proposal", _value(st["proposal"])),
@@ -132,13 +135,73 @@ def format_state(st: Mapping[str, Any]) -> str:
             ("gc horizon", _value(st["gc_horizon"])),
             ("safe to delete", format_intervals(st["safe_to_delete"])),
             ("skew", skew),
-            ("generations", _names(str(g) for g in st.get("generations", []))),
+            ("generations", _generations(st)),
             ("missing", _names(st["missing"])),
             ("conflicts", _names(conflicts)),
             ("newest epochs", ""),
         ]
     )
     return "\n".join(lines + _newest_table(spec, st["newest"]))
+
+
+MAX_MEMBERS_SHOWN = 16
+"""``state`` names this many members with their ranks, then counts the others."""
+
+
+def _ranks(ranks: Iterable[int]) -> str:
+    """``0-7, 9``: ranks in a short form."""
+    return format_intervals(IntervalSet.of(*ranks).ranges)
+
+
+def _membership(st: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The member map in force (PROTOCOL.md 8.1): its membership, members and ranks,
+    the domains' scopes, and the members whose records name a newer membership."""
+    spec = st["spec"]
+    membership = st.get("membership", spec.get("membership", 0))
+    since = (f" (this member map applies from generation {membership} on)" if membership
+             else " (the stream's first member map)")  # fmt: skip
+    members = sorted(spec["members"].items())
+    shown = [f"{m}: {_ranks(r)}" for m, r in members[:MAX_MEMBERS_SHOWN]]
+    if len(members) > MAX_MEMBERS_SHOWN:
+        shown.append(f"and {len(members) - MAX_MEMBERS_SHOWN} more")
+    pairs = [("membership", f"{membership}{since}"), ("members", ", ".join(shown)),
+             ("scopes", _scopes(spec))]  # fmt: skip
+    moved = _moved_on(st)
+    if moved:
+        pairs.append(("moved on", f"{moved} (a member map this node is not in, or has not "
+                      "declared yet)"))  # fmt: skip
+    return pairs
+
+
+def _moved_on(st: Mapping[str, Any]) -> str:
+    """``node-1, node-2 to membership 3``: members whose records name a newer
+    membership than this node's spec ('' when none)."""
+    by: dict[int, list[str]] = {}
+    for member, membership in sorted((st.get("moved_on") or {}).items()):
+        by.setdefault(membership, []).append(member)
+    return "; ".join(f"{', '.join(ms)} to membership {g}" for g, ms in sorted(by.items()))
+
+
+def _scopes(spec: Mapping[str, Any]) -> str:
+    """``shared s3; node-local nvme``: the scope of each of the policy's domains."""
+    shared = spec.get("shared") or []
+    local = [d for d in spec["policy"]["domains"] if d not in shared]
+    parts = [f"shared {', '.join(shared)}" if shared else "",
+             f"node-local {', '.join(local)}" if local else ""]  # fmt: skip
+    return "; ".join(p for p in parts if p)
+
+
+def _generations(st: Mapping[str, Any]) -> str:
+    """Open generations; those of an older member map marked (never answered again)."""
+    older = set(st.get("older_map_generations") or [])
+    gens = list(st.get("generations") or [])
+    current = [str(g) for g in gens if g not in older]
+    text = _names(current) if current or not older else ""
+    if older:
+        text += "; " if text else ""
+        text += (f"older member map: {', '.join(str(g) for g in gens if g in older)} "
+                 "(protecting their epochs, never answered again)")  # fmt: skip
+    return text
 
 
 def _skew(st: Mapping[str, Any]) -> str:

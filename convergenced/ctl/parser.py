@@ -277,6 +277,20 @@ def _add_declare(add: Callable[[str, str, str], argparse.ArgumentParser]) -> Non
         "--retention", type=_natural, metavar="K", help="epochs kept below the restore point"
     )
     p.add_argument(
+        "--shared",
+        type=_domains,
+        metavar="D,...",
+        help="the policy's domains readable from any host (an object store); the others "
+        "are node-local",
+    )
+    p.add_argument(
+        "--membership",
+        type=_natural,
+        metavar="GEN",
+        help="a new member map of a declared stream, from recovery generation GEN on (the "
+        "number next-generation gave the relaunch); also with --spec",
+    )
+    p.add_argument(
         "--allow-unknown-members",
         action="store_true",
         help="accept members that are not (yet) peers or in the trust list of this node",
@@ -352,14 +366,18 @@ def _spec_from_args(args: argparse.Namespace) -> StreamSpec:
         UsageError: the options do not make one valid spec.
     """
     if args.spec is not None:
-        inline = [args.member, args.all_of, args.any_of, args.retention]
+        inline = [args.member, args.all_of, args.any_of, args.retention, args.shared]
         if any(v is not None for v in inline):
-            raise UsageError("--spec excludes --member, --all-of, --any-of and --retention")
+            raise UsageError(
+                "--spec excludes --member, --all-of, --any-of, --retention and --shared"
+            )
         wire = load_spec_file(args.spec)
         if args.stream is not None and args.stream != wire.get("name"):
             raise UsageError(f"STREAM {args.stream!r} differs from the spec's name")
     else:
         wire = _inline_spec(args)
+    if args.membership is not None:
+        wire = {**wire, "membership": args.membership}
     try:
         return StreamSpec.from_wire(wire)
     except SpecError as exc:
@@ -385,4 +403,5 @@ def _inline_spec(args: argparse.Namespace) -> dict[str, Any]:
         "members": members,
         "policy": {"mode": mode, "domains": domains},
         "retention": args.retention or 0,
+        **({"shared": args.shared} if args.shared else {}),
     }

@@ -1,19 +1,20 @@
 """`convergencectl top`: the live view of one stream, drawn and redrawn.
 
-``top [STREAM] [--interval S] [--count N] [--no-clear] [--json]`` is the live view of one
-stream (default: the first one ``streams`` lists): a header (node, cluster, time of
-the last update), the restore point, proposal, knowledge, convergence interval, skew
-and per-domain skew, GC horizon; the epoch lattice (a row per member, a column per
-domain, the newest epoch all the member's ranks hold there, ``-`` for none; ``*``
-marks the lowest epoch of a domain whose members differ, ``!`` an epoch older than
-the restore point); then the links (peer, state, in sync) and configured peers with
-no link. It draws a frame on every ``watch`` event and whenever a link comes up, goes
-down or changes sync, asking the daemon's ``status`` at most every ``--interval``
-seconds (default 1). On a terminal it redraws in place (ANSI; colours unless
-``$NO_COLOR`` is set); with ``--no-clear`` or when stdout is not a terminal it
-prints the frames one after another, separated by a blank line. With ``--json`` each
-frame is one JSON line instead (`top_frame`: the watch event, its lattice, the links).
-`render_top` draws one frame from a state map and a status map and nothing else.
+``top [STREAM] [--interval S] [--count N] [--no-clear] [--json]`` is the live view of
+one stream (default: the first one ``streams`` lists): a header (node, cluster, time of
+the last update), the membership in force and the domains' scopes, the restore point,
+proposal, knowledge, convergence interval, skew and per-domain skew, GC horizon, and the
+members that moved on to a newer membership; the epoch lattice (a row per member, a
+column per domain, the newest epoch all the member's ranks hold there, ``-`` for none;
+``*`` marks the lowest epoch of a domain whose members differ, ``!`` an epoch older than
+the restore point); then the links (peer, state, in sync) and configured peers with no
+link. It draws a frame on every ``watch`` event and whenever a link comes up, goes down
+or changes sync, asking the daemon's ``status`` at most every ``--interval`` seconds
+(default 1). On a terminal it redraws in place (ANSI; colours unless ``$NO_COLOR`` is
+set); with ``--no-clear`` or when stdout is not a terminal it prints the frames one
+after another, separated by a blank line. With ``--json`` each frame is one JSON line
+instead (`top_frame`: the watch event, its lattice, the links). `render_top` draws one
+frame from a state map and a status map and nothing else.
 
 A configured peer without a link is ``down`` when the overlay links the two nodes
 (always in a full mesh), and its member row says ``link down``; ``relayed`` when the
@@ -39,7 +40,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from convergenced.client import Client, DaemonUnreachable
-from convergenced.ctl.formatting import _fail, _fields, _names, _skew, _value, format_intervals
+from convergenced.ctl.formatting import (
+    _fail,
+    _fields,
+    _moved_on,
+    _names,
+    _scopes,
+    _skew,
+    _value,
+    format_intervals,
+)
 from convergenced.ctl.parser import EXIT_FAILED, EXIT_OK
 
 # -- one frame -------------------------------------------------------------------------
@@ -91,8 +101,8 @@ def lattice(state: Mapping[str, Any], status: Mapping[str, Any] | None = None) -
     """The epoch lattice of a state map, as data: ``domains``, and per member (sorted)
     its ``newest`` epoch in each domain (nil: none yet), the ``marks`` of each epoch
     (`LAGGARD_MARK`, `STALE_MARK`) and its ``notes`` (``this node``, ``not heard
-    from``, ``different spec``, ``link down``). Pure; ``top`` draws it and ``top
-    --json`` prints it."""
+    from``, ``different spec``, ``moved on`` to a newer membership, ``link down``).
+    Pure; ``top`` draws it and ``top --json`` prints it."""
     spec = state.get("spec") or {}
     newest: Mapping[str, Mapping[str, int]] = state.get("newest") or {}
     policy_domains = (spec.get("policy") or {}).get("domains") or []
@@ -101,6 +111,7 @@ def lattice(state: Mapping[str, Any], status: Mapping[str, Any] | None = None) -
     node = None if status is None else status.get("node")
     missing = set(state.get("missing") or [])
     conflicting = {m for m, _ in state.get("conflicts") or []}
+    moved = set(state.get("moved_on") or {})
     down = {peer for peer, link in _peer_links(status).items() if link == "down"}
     restore_point = state.get("restore_point")
     lowest = {}
@@ -123,6 +134,7 @@ def lattice(state: Mapping[str, Any], status: Mapping[str, Any] | None = None) -
                 ("this node", m == node),
                 ("not heard from", m in missing),
                 ("different spec", m in conflicting),
+                ("moved on", m in moved),
                 ("link down", m in down),
             )
             if applies
@@ -248,8 +260,12 @@ def render_top(
     others = [s for s in (status or {}).get("streams") or [] if s != stream]
     if others:
         stream += f" (other streams: {', '.join(others)})"
+    membership = str(state.get("membership", 0))
+    if state.get("spec"):
+        membership += f" ({_scopes(state['spec'])})"
     pairs = [
         ("stream", stream),
+        ("membership", membership),
         ("restore point", _value(state.get("restore_point"))),
         ("proposal", _value(state.get("proposal"))),
         ("knowledge", _value(state.get("knowledge"), "unknown")),
@@ -261,6 +277,8 @@ def render_top(
         pairs.append(("missing", _names(state["missing"])))
     if state.get("conflicts"):
         pairs.append(("conflicts", _names(m for m, _ in state["conflicts"])))
+    if state.get("moved_on"):
+        pairs.append(("moved on", _moved_on(state)))
     pairs += [("warning", str(w)) for w in (status or {}).get("warnings") or []]
     drawn, marks = _lattice(lattice(state, status), color)
     lines = [_paint(head, _BOLD, color), *_fields(pairs), "", "epoch lattice", *drawn]
