@@ -244,6 +244,45 @@ def test_a_node_that_lost_its_disk_and_freezes_first_restores_from_the_shared_ti
         assert {i: a["restore_point"] for i, a in answers.items()} == {1: 2, 2: 2, 3: 2}
 
 
+def test_two_launches_that_declare_different_maps_for_one_generation_are_refused() -> None:
+    with LocalCluster(4) as cluster:
+        cluster.start_all()
+        c = {i: cluster.client(i) for i in (1, 2, 3, 4)}
+        old = {i: c[i] for i in (1, 2, 3)}
+        for x in old.values():
+            x.declare(spec(THREE))
+        train(old, {1: [0], 2: [1], 3: [2]}, range(1, 3))
+        until(lambda: at(old, 2), what="restore point 2")
+        g = c[1].next_generation(STREAM, timeout=20)["generation"]
+        # One launch replaced node-3 by node-4; another, with the same generation,
+        # kept node-3.
+        a = spec({"node-1": [0], "node-2": [1], "node-4": [2]}, g)
+        b = spec(THREE, g)
+        for i in (1, 2, 4):
+            c[i].declare(a)
+        # node-3 still holds the old map and sees its members move on (missing for it,
+        # not in conflict).
+        until(lambda: "node-1" in c[3].state(STREAM)["moved_on"], what="node-3 sees node-1")
+        assert c[3].state(STREAM)["conflicts"] == []
+        refused = []
+        for i in (1, 2, 3):
+            with pytest.raises(ApiError) as info:
+                c[i].declare(b)
+            refused.append((i, info.value.reason))
+        assert refused == [(1, "spec_conflict"), (2, "spec_conflict"), (3, "spec_conflict")]
+        assert "for membership" in str(info.value)  # node-3 knows of it from the records
+        st = c[3].state(STREAM)
+        assert st["membership"] == 0 and st["spec"]["members"] == THREE  # nothing changed
+        assert c[1].state(STREAM)["spec"]["members"] == a["members"]
+        for i in (1, 2, 3):
+            assert c[i].status()["counters"]["api_errors_spec_conflict"] == 1
+        # The older launch's map, declared again after a newer one, is superseded.
+        with pytest.raises(ApiError) as info:
+            c[1].declare(spec(THREE))
+        assert info.value.reason == "membership_superseded"
+        assert c[1].status()["counters"]["api_errors_membership_superseded"] == 1
+
+
 def test_no_survivor_may_delete_the_newest_shared_epoch_of_a_dead_member() -> None:
     with LocalCluster(4) as cluster:
         for i in (1, 2, 3):
