@@ -306,3 +306,21 @@ def test_the_change_says_which_member_replaced_which() -> None:
         MembershipChanged(STREAM, 2, ("d",), (), (1, 2), ())
     ]
 
+
+def test_a_node_unsure_of_its_past_settles_when_the_member_it_waited_for_leaves() -> None:
+    """Found by the simulator (convergenced sim --seed 28 --faults
+    crash,lose_state,replace,shrink,grow,leave): a node that lost its state waited for
+    a member whose host then died for good; the new map without it never settled."""
+    nodes = start(FIRST)
+    trained(nodes)
+    b = nodes["b"]
+    a = NodeCore("a", 1, unsure_of_past=True)  # a lost its state directory
+    a.apply(Declare(spec(FIRST)))
+    summary = [(r.stream, r.origin, r.incarnation, r.version) for r in b.view]
+    a.hello_from("b", b.incarnation, summary)
+    a.receive(list(b.view), via="b")
+    assert a.waiting_to_freeze(STREAM) == ("c",)  # c's host is gone
+    a.apply(Declare(spec({"a": [0, 2], "b": [1]}, membership=1)))
+    mine = a.own_record(STREAM)  # published under the new map, in this life
+    assert mine is not None and mine.membership == 1 and mine.incarnation == a.incarnation
+    assert a.freeze_fact(STREAM, 1) is not None

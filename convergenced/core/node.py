@@ -262,8 +262,11 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests):
                     if self._lives.unsure:
                         self._pending_facts.append(Settled(fact.spec.name))
             elif self._streams[fact.spec.name].facts.spec != fact.spec:
-                # Checked: a new membership of the stream (`declarations`).
+                # Checked: a new membership of the stream (`declarations`). A node
+                # unsure of its past may have heard from every member of the new map
+                # already (the member it waited for left): it settles now.
                 self._change_membership(self._streams[fact.spec.name], fact.spec)
+                self._settle()
             return fact.spec.name
         assert not isinstance(fact, Incarnation | Settled)
         if isinstance(fact, Undeclare):
