@@ -324,3 +324,19 @@ def test_a_node_unsure_of_its_past_settles_when_the_member_it_waited_for_leaves(
     mine = a.own_record(STREAM)  # published under the new map, in this life
     assert mine is not None and mine.membership == 1 and mine.incarnation == a.incarnation
     assert a.freeze_fact(STREAM, 1) is not None
+
+
+def test_a_node_left_out_refuses_another_map_its_members_declared_for_that_membership() -> None:
+    """c still holds the first map; a and b declared one with d for membership 1. A
+    second launch that kept c declares the first map again for membership 1: c must
+    refuse it from a's record, like a and b (its check skips only its own notices)."""
+    nodes = start(FIRST)
+    trained(nodes)
+    a, b, c = nodes["a"], nodes["b"], nodes["c"]
+    d = NodeCore("d", 1)
+    for n in (a, b, d):
+        n.apply(Declare(spec({"a": [0], "b": [1], "d": [2]}, membership=1)))
+    sync(a, b, c, d)
+    for n in (a, b, c):
+        with pytest.raises(SpecConflictError):
+            n.check(Declare(spec(FIRST, membership=1)))

@@ -79,7 +79,7 @@ class Declarations:
         digest = spec.digest
         for origin, rec in self.view.stream(spec.name).items():
             if origin in spec.member_ids and rec.spec_digest not in (digest, UNDECLARED):
-                if self.made_here_record(rec):
+                if origin == self.node_id and self.made_here_record(rec):
                     continue  # our own notice of a declaration we refused (`refused`)
                 if rec.membership < spec.membership:
                     continue  # the member is still on an older membership: it follows
