@@ -216,12 +216,6 @@ def test_a_relaunch_on_the_same_hosts_keeps_its_membership(tmp_path: Path) -> No
         assert job.client(1).state(STREAM)["spec"] == declared
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core: Declarations._check_declare skips a member's record as our own notice "
-    "when its stamp is below our record's (made_here_record checks no origin), so node-1, "
-    "whose record has the higher version, does not see node-2's newer membership",
-)
 def test_a_relaunch_heals_a_launch_that_died_declaring_a_new_map(tmp_path: Path) -> None:
     with LocalCluster(3) as cluster:
         started(cluster, [1, 2, 3])
