@@ -26,8 +26,9 @@ point, the skew), where Prometheus can scrape the daemons, and a one-line verdic
 
 The package, along those ideas: `options` (the command line and its checks), `nodes`
 (the daemons of the demo's cluster), `trainer` (the toy model, the collective, the crash
-plan and the trainer threads), `story` (the run, its progress output and its checks),
-`result` (what it found) and `main` (the command: verdict and exit code). Run it as
+plan and the trainer threads), `console` (the event lines and the live progress line),
+`story` (the run and its checks), `result` (what it found) and `command` (the command:
+verdict and exit code). Run it as
 ``convergenced demo`` or ``python -m convergenced.tools.demo``.
 """
 

@@ -4,9 +4,8 @@
 generation 0 of the trainers, kill node-3's trainer and daemon in the middle of a
 checkpoint, evaluate what rank 0's ``latest`` marker would have restored at that moment,
 restart the daemon, relaunch every rank as generation 1, and verify the final weights
-against an uninterrupted reference run. It also owns the output: one line per event and
-a live progress line (per node and domain the newest epoch, each node's restore point,
-the skew) polled from the daemons by a monitor thread.
+against an uninterrupted reference run. Its output (one line per event, and a live
+progress line) goes through a `console.Console`.
 """
 
 from __future__ import annotations
@@ -14,15 +13,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import random
-import shutil
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from convergenced.client import Client, DaemonUnreachable
-from convergenced.core.local_api_codec import ApiError
+from convergenced.client import Client
 from convergenced.errors import ConvergencedError
 from convergenced.integrations.files import (
     CorruptShardError,
@@ -34,6 +30,7 @@ from convergenced.integrations.files import (
     shard_path,
 )
 from convergenced.tools.cluster import node_name
+from convergenced.tools.demo.console import Console
 from convergenced.tools.demo.nodes import DemoCluster
 from convergenced.tools.demo.options import Options
 from convergenced.tools.demo.result import DemoResult
@@ -68,16 +65,11 @@ class Demo:
     def __init__(self, opts: Options, out: TextIO) -> None:
         """A run with ``opts``, printing progress to ``out``."""
         self.opts = opts
-        self.out = out
-        self.tty = out.isatty()
         self.started = time.monotonic()
         self.cluster = DemoCluster(NODES, tick_ms=opts.tick_ms)
         self.progress = Progress()
+        self.console = Console(out, self.started, self.cluster, self.progress, opts.steps)
         self.result = DemoResult(steps=opts.steps, every=opts.every, crash_epoch=opts.crash_at)
-        self._print_lock = threading.Lock()
-        self._status_line = ""
-        self._stop_monitor = threading.Event()
-        self._monitor: threading.Thread | None = None
         self._launches: list[tuple[Collective, Crash | None, list[Trainer]]] = []
         self._reference_shards: list[bytes] | None = None
 
@@ -114,77 +106,11 @@ class Demo:
 
     def elapsed(self) -> float:
         """Seconds since the demo started."""
-        return time.monotonic() - self.started
+        return self.console.elapsed()
 
     def event(self, text: str) -> None:
         """Print one event line (above the live line on a terminal)."""
-        with self._print_lock:
-            stamp = f"[{self.elapsed():5.1f}s] "
-            if self.tty:
-                self.out.write(f"\r\x1b[K{stamp}{text}\n{self._status_line}")
-            else:
-                self.out.write(f"{stamp}{text}\n")
-            self.out.flush()
-
-    def _status(self, line: str) -> None:
-        with self._print_lock:
-            if self.tty:
-                width = shutil.get_terminal_size().columns - 1
-                self._status_line = line if len(line) <= width else line[: width - 3] + "..."
-                self.out.write(f"\r\x1b[K{self._status_line}")
-            elif line != self._status_line:
-                self._status_line = line
-                self.out.write(f"[{self.elapsed():5.1f}s] {line}\n")
-            self.out.flush()
-
-    def _monitor_loop(self) -> None:
-        clients: dict[int, Client] = {}
-        try:
-            while not self._stop_monitor.wait(0.5):
-                self._status(self._describe(clients))
-        finally:
-            for c in clients.values():
-                c.close()
-
-    def _state(self, clients: dict[int, Client], i: int) -> dict[str, Any] | None:
-        # A connection to a daemon that restarted is stale: reconnect once at once.
-        for _ in range(2):
-            try:
-                if i not in clients:
-                    # It reconnects itself, once, at the next look: never blocks.
-                    clients[i] = Client(self.cluster.socket_path(i), timeout=0.5, reconnect=0)
-                return clients[i].state(STREAM)
-            except (DaemonUnreachable, ApiError, OSError):
-                stale = clients.pop(i, None)
-                if stale is None:
-                    return None
-                stale.close()
-        return None
-
-    def _describe(self, clients: dict[int, Client]) -> str:
-        steps = self.progress.step
-        step = str(min(steps.values())) if len(steps) == NODES else "-"  # "-": restoring
-        parts = [f"step {step:>3}/{self.opts.steps}"]
-        skew: Any = "?"
-        for i in range(1, NODES + 1):
-            st = self._state(clients, i)
-            if st is None:
-                parts.append(f"{node_name(i)} down")
-                continue
-            newest = st.get("newest", {}).get(node_name(i), {})
-
-            def show(domain: str, newest: dict[str, int] = newest) -> str:
-                value = newest.get(domain)
-                return f"{value:>3}" if value is not None else "  -"
-
-            rp = st.get("restore_point")
-            parts.append(
-                f"{node_name(i)} nvme {show('nvme')} s3 {show('s3')} "
-                f"rp {rp if rp is not None else '-':>3}"
-            )
-            if i == 1 and st.get("skew") is not None:
-                skew = st["skew"]
-        return " | ".join([*parts, f"skew {skew}"])
+        self.console.event(text)
 
     # -- phases ------------------------------------------------------------------------------
 
@@ -209,8 +135,7 @@ class Demo:
             f"counts once a rank has it on nvme or s3; checkpoint every {opts.every} steps, "
             f"retention {opts.retention}, s3 uploads lag ~{opts.upload_lag_s:.2f} s"
         )
-        self._monitor = threading.Thread(target=self._monitor_loop, name="progress", daemon=True)
-        self._monitor.start()
+        self.console.start()
 
         # Launch 0: train until node-3 dies in the middle of checkpoint `crash_at`.
         crash = Crash(VICTIM, opts.crash_at)
@@ -397,13 +322,7 @@ class Demo:
     def close(self) -> None:
         """Stop the progress line and every daemon; remove the directory unless kept."""
         self._stop_trainers()
-        self._stop_monitor.set()
-        if self._monitor is not None:
-            self._monitor.join(5)
-        if self.tty and self._status_line:
-            with self._print_lock:
-                self.out.write("\n")
-                self.out.flush()
+        self.console.stop()
         self.cluster.stop_all()
         if self.opts.keep:
             self.event(f"kept {self.cluster.dir} (daemon logs, tiers)")
