@@ -17,8 +17,7 @@ from convergenced.errors import ConvergencedError
 from convergenced.tools.cluster import node_name
 from convergenced.tools.demo.options import DESCRIPTION, Options, add_arguments, options_from
 from convergenced.tools.demo.result import DemoResult
-from convergenced.tools.demo.story import VICTIM, Demo
-from convergenced.tools.demo.trainer import NODES
+from convergenced.tools.demo.story import SPARE, VICTIM, Demo
 
 
 def _verdict(res: DemoResult, opts: Options) -> str:
@@ -36,10 +35,17 @@ def _verdict(res: DemoResult, opts: Options) -> str:
         )
     else:
         marker = f"a latest marker would have pointed at epoch {res.marker_epoch} (complete)"
+    if opts.scenario == "replace":
+        what = (
+            f"node-{VICTIM} died for good mid-checkpoint of epoch {opts.crash_at}, its disk "
+            f"with it; spare node-{SPARE} took over rank {VICTIM - 1} from the shared tier"
+        )
+    else:
+        what = f"node-{VICTIM} died mid-checkpoint of epoch {opts.crash_at}"
     return (
-        f"VERIFIED: node-{VICTIM} died mid-checkpoint of epoch {opts.crash_at}; every rank "
-        f"restored the agreed epoch {res.restore_point} and the final weights equal the "
-        f"uninterrupted run bit for bit ({res.elapsed_s:.1f} s); {marker}."
+        f"VERIFIED: {what}; every rank restored the agreed epoch {res.restore_point} and the "
+        f"final weights equal the uninterrupted run bit for bit ({res.elapsed_s:.1f} s); "
+        f"{marker}."
     )
 
 
@@ -61,7 +67,8 @@ def run_demo(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     out = sys.stderr if opts.json else sys.stdout
     demo: Demo | None = None
     code = 1
-    result = DemoResult(steps=opts.steps, every=opts.every, crash_epoch=opts.crash_at)
+    result = DemoResult(steps=opts.steps, every=opts.every, crash_epoch=opts.crash_at,
+                        scenario=opts.scenario)  # fmt: skip
     try:
         demo = Demo(opts, out)
         result = demo.result
@@ -73,7 +80,7 @@ def run_demo(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     except (ConvergencedError, RuntimeError, OSError) as exc:
         result.problems.append(f"{type(exc).__name__}: {exc}")
         if demo is not None:
-            for i in range(1, NODES + 1):
+            for i in range(1, demo.cluster.n + 1):
                 tail = demo.cluster.log_tail(i, 1500)
                 if tail:
                     print(f"--- {node_name(i)} log (end) ---\n{tail}", file=sys.stderr)

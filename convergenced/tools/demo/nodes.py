@@ -108,12 +108,34 @@ class DemoCluster:
                 self._configure()  # a port was taken meanwhile: pick others
         raise AssertionError("unreachable")
 
+    def wait_linked(self, timeout: float = READY_TIMEOUT) -> None:
+        """Wait until every node is linked to every other one. A daemon that started
+        without a log answers next_generation for a stream it has not declared only
+        once it has heard from every peer it links to.
+
+        Raises:
+            RuntimeError: not linked in time.
+        """
+        deadline = time.monotonic() + timeout
+        want = f"{self.n - 1}/{self.n - 1} "
+        for i in range(1, self.n + 1):
+            with Client(self.socket_path(i), timeout=2) as c:
+                while not c.status()["summary"].startswith(want):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{node_name(i)} not linked to every peer after "
+                                           f"{timeout} s:\n{self.log_tail(i)}")  # fmt: skip
+                    time.sleep(0.05)
+
     def kill(self, i: int) -> None:
         """SIGKILL node ``i`` and reap it."""
         proc = self.procs[i]
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
+
+    def wipe(self, i: int) -> None:
+        """Node ``i``'s disk is gone: its directory (state, tiers, keys) removed."""
+        shutil.rmtree(self.dir / node_name(i), ignore_errors=True)
 
     def stop_all(self) -> None:
         """SIGTERM every running node, then SIGKILL what has not exited after 10 s."""

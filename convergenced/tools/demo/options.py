@@ -10,18 +10,26 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-__all__ = ["DESCRIPTION", "HELP", "Options", "add_arguments", "options_from"]
+__all__ = ["DESCRIPTION", "HELP", "SCENARIOS", "Options", "add_arguments", "options_from"]
 
-HELP = "run a local 3-node cluster, crash a node mid-checkpoint, restore, verify"
+HELP = "run a local cluster, crash a node mid-checkpoint (restart or replace it), restore, verify"
 DESCRIPTION = (
-    "Start a 3-node cluster of real daemons on loopback (in a temporary directory), run "
+    "Start a 3-node cluster of real daemons on loopback (in a temporary directory; a "
+    "fourth, a spare, with --scenario replace), run "
     "a small deterministic training job on it that checkpoints every few steps to a local "
     "nvme tier and a lagging s3 tier, kill one node's trainer and daemon in the middle of a "
-    "checkpoint, restart it, restore every rank from the agreed restore point, finish, and "
-    "verify that the final weights equal an uninterrupted run bit for bit; also report what "
-    "a latest marker would have restored. No configuration needed. Exit 0 when verified, "
-    "1 on any mismatch or failure, 130 when interrupted."
+    "checkpoint, restore every rank from the agreed restore point, finish, and verify that "
+    "the final weights equal an uninterrupted run bit for bit; also report what a latest "
+    "marker would have restored. The scenario says what happens to the node that died: "
+    "'restart' (the default) restarts its daemon on its own disk; 'replace' loses the host "
+    "for good, disk included, and a spare node-4 that runs from the start takes over its "
+    "rank from the shared s3 tier, the job relaunching with the new member map. No "
+    "configuration needed. Exit 0 when verified, 1 on any mismatch or failure, 130 when "
+    "interrupted."
 )
+
+SCENARIOS = ("restart", "replace")
+"""What happens to the node that dies: its daemon restarts, or a spare replaces it."""
 
 
 # -- options -----------------------------------------------------------------------------
@@ -40,10 +48,19 @@ class Options:
     tick_ms: int = 50
     json: bool = False
     keep: bool = False
+    scenario: str = "restart"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the demo's options to ``parser`` (the ``demo`` subcommand's parser)."""
+    parser.add_argument(
+        "--scenario",
+        choices=SCENARIOS,
+        default="restart",
+        help="restart: node-3's daemon restarts on its own disk (the default); replace: "
+        "node-3's host is gone for good and a spare node-4 takes over its rank from the "
+        "shared tier",
+    )
     parser.add_argument(
         "--json", action="store_true", help="print a final JSON object (progress goes to stderr)"
     )
@@ -91,11 +108,18 @@ def options_from(args: argparse.Namespace) -> Options:
         raise ValueError(f"--every {every}: expected at least 1")
     if steps < 3 * every:
         raise ValueError(f"--steps {steps}: expected at least 3 checkpoints (3 x --every)")
+    scenario = getattr(args, "scenario", None) or "restart"
+    if scenario not in SCENARIOS:
+        raise ValueError(f"--scenario {scenario}: expected one of {', '.join(SCENARIOS)}")
+    # A replacement restores from the shared tier, which lags: the upload of the last
+    # checkpoint before the crash is still on its way, so one more must come before it.
+    first = (3 if scenario == "replace" else 2) * every
     crash_at = args.crash_at if args.crash_at is not None else (steps // 2 // every) * every
-    if crash_at % every or not 2 * every <= crash_at < steps:
+    if crash_at % every or not first <= crash_at < steps:
         raise ValueError(
             f"--crash-at {crash_at}: expected a checkpoint epoch (a multiple of --every) "
-            f"from {2 * every} to below {steps}"
+            f"from {first} to below {steps}"
+            + (" with --scenario replace" if scenario == "replace" else "")
         )
     if step_ms < 0 or lag_ms < 0:
         raise ValueError("--step-ms and --upload-lag-ms must not be negative")
@@ -108,4 +132,5 @@ def options_from(args: argparse.Namespace) -> Options:
         retention=every,
         json=bool(args.json),
         keep=bool(args.keep),
+        scenario=scenario,
     )

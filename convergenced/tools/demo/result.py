@@ -15,6 +15,7 @@ class DemoResult:
     """What the demo found; `as_json` is what ``--json`` prints."""
 
     verified: bool = False
+    scenario: str = "restart"
     restore_point: int | None = None
     bitwise_equal: bool = False
     marker_epoch: int | None = None
@@ -24,6 +25,10 @@ class DemoResult:
     marker_bitwise_equal: bool | None = None
     crash_epoch: int | None = None
     restored: dict[str, int | None] = field(default_factory=dict)
+    restored_from: dict[str, str | None] = field(default_factory=dict)
+    members: dict[str, list[int]] = field(default_factory=dict)
+    launch: dict[str, int] | None = None
+    adopted: list[int] = field(default_factory=list)
     final_restore_point: int | None = None
     final_digest: str | None = None
     reference_digest: str | None = None
@@ -38,6 +43,7 @@ class DemoResult:
         """The JSON object printed by ``--json``."""
         return {
             "verified": self.verified,
+            "scenario": self.scenario,
             "restore_point": self.restore_point,
             "bitwise_equal": self.bitwise_equal,
             "marker_epoch": self.marker_epoch,
@@ -47,6 +53,10 @@ class DemoResult:
             "marker_bitwise_equal": self.marker_bitwise_equal,
             "crash_epoch": self.crash_epoch,
             "restored": self.restored,
+            "restored_from": self.restored_from,
+            "members": self.members,
+            "launch": self.launch,
+            "adopted": self.adopted,
             "final_restore_point": self.final_restore_point,
             "final_digest": self.final_digest,
             "reference_digest": self.reference_digest,

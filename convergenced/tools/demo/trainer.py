@@ -6,8 +6,11 @@ a run resumed from any checkpoint reproduces the uninterrupted run bit for bit, 
 what the demo verifies. Each rank is a `Trainer` thread standing in for one training
 process: it asks its own daemon for the restore point, steps in lockstep with the others
 through a `Collective` (their NCCL/gloo), and checkpoints its shard with
-`convergenced.integrations.files`. The victim of the `Crash` plan dies halfway through
-writing one shard.
+`convergenced.integrations.files`. A launch either names its generation (the story
+does, when the hosts stay the same) or lets rank 0 ask its daemon for the launch
+(`convergenced.integrations.launches.new_launch`) and broadcast it over the collective;
+each rank's store then declares the spec, with the launch's member map, for it. The
+victim of the `Crash` plan dies halfway through writing one shard.
 
 Trainers see the run that launched them only through `TrainerHost`, so this module does
 not import the story (`story.Demo`) that imports it.
@@ -29,12 +32,14 @@ from convergenced.integrations.files import (
     CheckpointError,
     CheckpointStore,
     CorruptShardError,
+    Launch,
     NoRestorePointError,
     Payload,
     Tier,
     encode_shard,
     write_atomic,
 )
+from convergenced.integrations.launches import new_launch
 from convergenced.tools.cluster import node_name
 from convergenced.tools.demo.nodes import DemoCluster
 from convergenced.tools.demo.options import Options
@@ -139,6 +144,7 @@ class Collective:
         """A collective of ``n`` ranks."""
         self._barrier = threading.Barrier(n)
         self._slots: list[list[float]] = [[] for _ in range(n)]
+        self._value: Any = None
 
     def all_gather(self, rank: int, shard: list[float]) -> list[float]:
         """Every rank's shard, concatenated in rank order.
@@ -151,6 +157,19 @@ class Collective:
         full = [w for s in self._slots for w in s]
         self._barrier.wait(COLLECTIVE_TIMEOUT)  # nobody overwrites a slot before all read
         return full
+
+    def broadcast(self, rank: int, value: Any) -> Any:
+        """Rank 0's ``value``, on every rank (the others pass anything).
+
+        Raises:
+            threading.BrokenBarrierError: a rank died (or timed out).
+        """
+        if rank == 0:
+            self._value = value
+        self._barrier.wait(COLLECTIVE_TIMEOUT)
+        got = self._value
+        self._barrier.wait(COLLECTIVE_TIMEOUT)
+        return got
 
     def abort(self) -> None:
         """Break the collective: every rank waiting in it (or arriving) fails."""
@@ -189,7 +208,7 @@ class TrainerHost(Protocol):
     progress: Progress
 
     def spec(self) -> dict[str, Any]:
-        """The stream every rank declares."""
+        """The stream every rank of the current launch declares (its member map)."""
 
     def local_tier(self, node: int) -> Tier:
         """Node ``node``'s local tier."""
@@ -200,8 +219,8 @@ class TrainerHost(Protocol):
     def marker_path(self) -> Path:
         """Where rank 0 writes the ``latest`` marker."""
 
-    def upload_delay(self, rank: int) -> Callable[[int], float]:
-        """Rank ``rank``'s upload lag."""
+    def upload_delay(self, node: int, rank: int) -> Callable[[int], float]:
+        """Rank ``rank``'s upload lag on node ``node``."""
 
     def event(self, text: str) -> None:
         """Print one event line."""
@@ -214,20 +233,29 @@ class Trainer(threading.Thread):
         self,
         demo: TrainerHost,
         node: int,
-        generation: int,
+        rank: int,
+        generation: int | None,
+        *,
         collective: Collective,
         crash: Crash | None,
     ) -> None:
-        """Rank ``node - 1`` on node ``node``, launched as ``generation``."""
-        super().__init__(name=f"trainer-{node_name(node)}-g{generation}", daemon=True)
+        """Rank ``rank`` on node ``node``, launched as ``generation`` (None: rank 0 asks
+        its daemon for the launch and hands it to the others)."""
+        label = f"g{generation}" if generation is not None else "asked"
+        super().__init__(name=f"trainer-{node_name(node)}-{label}", daemon=True)
         self.demo = demo
         self.node = node
-        self.rank = node - 1
+        self.rank = rank
         self.generation = generation
         self.collective = collective
         self.crash = crash
+        self.launch: Launch | None = None
+        """The launch rank 0 asked for (None: the generation was named)."""
+        self.store: CheckpointStore | None = None
         self.restored: int | None = None
         self.restored_from: str | None = None
+        self.adopted: list[int] = []
+        """Epochs of this rank's shards found in the shared tier only, and committed."""
         self.final: bytes | None = None
         self.outcome = "running"
         self.error: BaseException | None = None
@@ -241,17 +269,10 @@ class Trainer(threading.Thread):
             self.outcome, self.error = "failed", exc
             self.collective.abort()
             return
-        store = CheckpointStore(
-            client,
-            STREAM,
-            self.rank,
-            demo.local_tier(self.node),
-            demo.remote_tier(),
-            upload_delay=demo.upload_delay(self.rank),
-        )
+        store: CheckpointStore | None = None
         flush = False
         try:
-            client.declare(demo.spec())  # every rank may; the same spec again is a no-op
+            store = self.store = self._open(client)
             shard, start = self._restore(store)
             for step in range(start, opts.steps):
                 full = self.collective.all_gather(self.rank, shard)
@@ -278,19 +299,55 @@ class Trainer(threading.Thread):
             self.collective.abort()
         finally:
             try:
-                store.close(flush=flush, timeout=PHASE_TIMEOUT)
+                if store is not None:
+                    store.close(flush=flush, timeout=PHASE_TIMEOUT)
             except (CheckpointError, TimeoutError) as exc:
                 if self.error is None:
                     self.outcome, self.error = "failed", exc
             finally:
                 client.close()
 
+    def _open(self, client: Client) -> CheckpointStore:
+        demo = self.demo
+        local, remote = demo.local_tier(self.node), demo.remote_tier()
+        delay = demo.upload_delay(self.node, self.rank)
+        if self.generation is not None:
+            store = CheckpointStore(client, STREAM, self.rank, local, remote, upload_delay=delay)
+            client.declare(demo.spec())  # every rank may; the same spec again is a no-op
+            return store
+        launch = None
+        if self.rank == 0:
+            launch = new_launch(client, demo.spec(), timeout=PHASE_TIMEOUT)
+            new = launch.membership == launch.generation > 0
+            demo.event(
+                f"{node_name(self.node)} rank 0: new launch, generation {launch.generation}, "
+                f"membership {launch.membership}"
+                + (" (a new member map, from this generation on)" if new else "")
+            )
+        self.launch = self.collective.broadcast(self.rank, launch)
+        store = CheckpointStore(client, demo.spec(), self.rank, local, remote,
+                                launch=self.launch, upload_delay=delay)  # fmt: skip
+        found = store.recommitted.committed if store.recommitted is not None else []
+        if found and all(domain == remote.domain for domain, _ in found):
+            # Nothing of this rank on this host's own disk: it moved here.
+            self.adopted = [epoch for _, epoch in found]
+            demo.event(
+                f"{node_name(self.node)} rank {self.rank}: none of its shards on this node's "
+                f"nvme; verified its shards of epochs {self.adopted} in s3 and committed them "
+                "here (adoption)"
+            )
+        return store
+
     def _restore(self, store: CheckpointStore) -> tuple[list[float], int]:
+        generation = self.generation
+        if generation is None:
+            assert self.launch is not None
+            generation = self.launch.generation
         try:
-            epoch = store.agreed_epoch(self.generation, timeout=PHASE_TIMEOUT)
+            epoch = store.agreed_epoch(generation, timeout=PHASE_TIMEOUT)
         except NoRestorePointError:
             self.demo.event(
-                f"{node_name(self.node)} rank {self.rank}: generation {self.generation} has "
+                f"{node_name(self.node)} rank {self.rank}: generation {generation} has "
                 "no restore point, starting from step 0"
             )
             self.demo.progress.step[self.rank] = 0
@@ -301,7 +358,7 @@ class Trainer(threading.Thread):
             raise CorruptShardError(shard.path, f"payload is not the state after step {epoch}")
         self.restored, self.restored_from = epoch, shard.domain
         self.demo.event(
-            f"{node_name(self.node)} rank {self.rank}: generation {self.generation} restore "
+            f"{node_name(self.node)} rank {self.rank}: generation {generation} restore "
             f"point is epoch {epoch}; restored its shard from {shard.domain}"
         )
         self.demo.progress.step[self.rank] = epoch
