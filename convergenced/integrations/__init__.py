@@ -8,8 +8,11 @@
   (format, verification, where it lives in a tier, assembling one epoch's shards).
 - `convergenced.integrations.errors`: their errors, one hierarchy under
   `CheckpointError`.
-- `convergenced.integrations.launches`: the recovery generation of a launch, asked by
-  one rank and shared with the others (over a torch process group, or your own way).
+- `convergenced.integrations.launches`: the recovery generation of a launch, and the
+  membership its ranks declare when the hosts changed (a spare, fewer or more hosts),
+  asked by one rank and shared with the others (over a torch process group, or your
+  own way).
+- `convergenced.integrations.uploads`: the store's background uploader.
 - `convergenced.integrations.torch`: PyTorch state (model, optimizer, scheduler, RNG)
   on those checkpoints.
 
