@@ -75,6 +75,19 @@ def at(clients: Mapping[int, Client], epoch: int) -> bool:
     return all(c.state(STREAM)["restore_point"] == epoch for c in clients.values())
 
 
+def three_declared(cluster: LocalCluster) -> dict[int, Client]:
+    """Nodes 1-3 started (node-4, if configured, not yet), the three-node spec declared
+    on each; their clients."""
+    for i in (1, 2, 3):
+        cluster.start(i, wait=False)
+    for i in (1, 2, 3):
+        cluster.wait_ready(i)
+    c = {i: cluster.client(i) for i in (1, 2, 3)}
+    for x in c.values():
+        x.declare(spec(THREE))
+    return c
+
+
 def without(config: str, node: str) -> str:
     """A node's configuration without ``node`` in its peers and trust list."""
     config = re.sub(rf'\[\[peers\]\]\nid = "{node}"\naddress = "[^"]*"\n\n?', "", config)
@@ -96,13 +109,7 @@ def test_a_spare_added_by_a_reload_replaces_a_dead_host_from_the_shared_tier(
         full = [cfg.read_text() for cfg in cluster.configs]
         for i in (1, 2, 3):  # the cluster before the spare was provisioned
             cluster.configs[i - 1].write_text(without(full[i - 1], "node-4"))
-        for i in (1, 2, 3):
-            cluster.start(i, wait=False)
-        for i in (1, 2, 3):
-            cluster.wait_ready(i)
-        c = {i: cluster.client(i) for i in (1, 2, 3)}
-        for x in c.values():
-            x.declare(spec(THREE))
+        c = three_declared(cluster)
         train(c, {1: [0], 2: [1], 3: [2]}, range(1, 4))
         until(lambda: at(c, 3), what="restore point 3 everywhere")
 
@@ -174,13 +181,7 @@ def test_a_job_shrinks_to_three_nodes_and_one_hosts_two_ranks() -> None:
 
 def test_a_job_grows_to_four_nodes_with_a_rank_that_reads_the_shared_tier() -> None:
     with LocalCluster(4) as cluster:
-        for i in (1, 2, 3):
-            cluster.start(i, wait=False)
-        for i in (1, 2, 3):
-            cluster.wait_ready(i)
-        c = {i: cluster.client(i) for i in (1, 2, 3)}
-        for x in c.values():
-            x.declare(spec(THREE))
+        c = three_declared(cluster)
         train(c, {1: [0], 2: [1], 3: [2]}, range(1, 4))
         until(lambda: at(c, 3), what="restore point 3 everywhere")
 
@@ -295,13 +296,7 @@ def test_two_launches_that_declare_different_maps_for_one_generation_are_refused
 
 def test_no_survivor_may_delete_the_newest_shared_epoch_of_a_dead_member() -> None:
     with LocalCluster(4) as cluster:
-        for i in (1, 2, 3):
-            cluster.start(i, wait=False)
-        for i in (1, 2, 3):
-            cluster.wait_ready(i)
-        c = {i: cluster.client(i) for i in (1, 2, 3)}
-        for x in c.values():
-            x.declare(spec(THREE))
+        c = three_declared(cluster)
         for e in range(1, 6):  # node-3's uploads lag: its s3 tier stops at epoch 3
             for i, x in c.items():
                 x.commit(STREAM, i - 1, "nvme", e)
