@@ -13,6 +13,8 @@
   asked by one rank and shared with the others (over a torch process group, or your
   own way).
 - `convergenced.integrations.uploads`: the store's background uploader.
+- `convergenced.integrations.dcp_layout`: what a PyTorch Distributed Checkpoint step
+  directory holds, and whether it is complete for the world that saved it.
 - `convergenced.integrations.torch`: PyTorch state (model, optimizer, scheduler, RNG)
   on those checkpoints.
 
