@@ -74,7 +74,7 @@ def test_the_test_targets_create_the_venv_and_install_dev_tools_and_pinned_torch
     commands = _would_run(checkout, target)
     assert commands[0] == "python3 -m venv .venv"
     (install,) = _installs(commands)
-    assert "'.[dev,torch]'" in install and "'torch==2.13.0'" in install
+    assert "'.[dev,torch,torchtitan]'" in install and "'torch==2.13.0'" in install
 
 
 def test_demo_does_nothing_but_the_demo_when_nothing_changed(checkout: Path) -> None:
