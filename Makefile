@@ -26,7 +26,7 @@ $(RUN_STAMP): pyproject.toml | $(BIN)/python
 
 # The dev set includes the package: the demo needs nothing more after it.
 $(DEV_STAMP): pyproject.toml | $(BIN)/python
-	$(PIP_INSTALL) -e '.[dev,torch,torchtitan]' '$(TORCH)'
+	$(PIP_INSTALL) -e '.[dev,torch,s3,torchtitan]' '$(TORCH)'
 	touch $@ $(RUN_STAMP)
 
 demo: $(RUN_STAMP)

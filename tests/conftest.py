@@ -6,6 +6,9 @@ from pathlib import Path
 
 import pytest
 
+# The real S3 API server's fixtures (s3_server, s3_bucket), for any test to request.
+from s3server import s3_bucket, s3_server  # noqa: F401
+
 
 @pytest.fixture(scope="session")
 def torch_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
