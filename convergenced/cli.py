@@ -178,6 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help=demo_mod.HELP, description=demo_mod.DESCRIPTION)
     demo_mod.add_arguments(demo)
 
+    from convergenced.markers import command as marker_mod
+
+    marker = sub.add_parser("marker", help=marker_mod.HELP, description=marker_mod.DESCRIPTION)
+    marker_mod.add_arguments(marker)
+
     sim = sub.add_parser(
         "sim",
         help="run the deterministic cluster simulator with faults and the S1-S5 oracle",
@@ -365,6 +370,10 @@ def main(argv: list[str] | None = None) -> int:
         from convergenced.sim import runner
 
         return runner.command(args)
+    if args.command == "marker":
+        from convergenced.markers import command as marker_run
+
+        return marker_run.run(args)
     return 2
 
 
