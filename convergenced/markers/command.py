@@ -157,7 +157,16 @@ class _Usage(Exception):
     pass
 
 
-def _spec_of(client: Any, args: argparse.Namespace) -> dict[str, Any]:
+def _names_node(spec: dict[str, Any], node: str) -> None:
+    members = spec.get("members")
+    if isinstance(members, dict) and node not in members:
+        raise _Usage(
+            f"the stream {spec.get('name')!r} does not name this node ({node}) among its "
+            f"members ({', '.join(sorted(map(str, members)))})"
+        )
+
+
+def _spec_of(client: Any, args: argparse.Namespace, node: str) -> dict[str, Any]:
     if args.spec is not None:
         from convergenced.ctl.parser import UsageError, load_spec_file
 
@@ -167,6 +176,7 @@ def _spec_of(client: Any, args: argparse.Namespace) -> dict[str, Any]:
             raise _Usage(str(exc)) from None
         if args.membership is not None:
             spec["membership"] = args.membership
+        _names_node(spec, node)  # before declaring: a refusal changes nothing
         try:
             client.declare(spec)
         except SpecError as exc:
@@ -196,11 +206,9 @@ def build(client: Any, args: argparse.Namespace) -> Marker:
         _Usage: the options, the directory or the spec do not fit (exit 2).
     """
     node = str(client.status()["node"])
-    spec = _spec_of(client, args)
+    spec = _spec_of(client, args, node)
+    _names_node(spec, node)
     members: dict[str, list[int]] = {k: list(v) for k, v in spec["members"].items()}
-    if node not in members:
-        raise _Usage(f"the stream {spec['name']!r} does not name this node ({node}) among its "
-                     f"members ({', '.join(sorted(members))})")  # fmt: skip
     domains = list(spec["policy"]["domains"])
     if args.domain not in domains:
         raise _Usage(f"domain {args.domain!r} is not in the stream's policy ({', '.join(domains)})")
@@ -276,12 +284,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _loop(marker: Marker, args: argparse.Namespace, stop: threading.Event) -> int:
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
-    started = time.monotonic()
     while not stop.is_set():
         report = marker.poll()
         # The first ask of a generation freezes this node's set: only once every step
-        # on disk had the settle period to count.
-        settled = time.monotonic() - started >= args.settle and not report.unsettled
+        # on disk had the settle period to count, and what is gone was retracted.
+        settled = report.reconciled and not report.unsettled
         if settled and not marker.resolved:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             wait = args.period if left is None else min(args.period, left)

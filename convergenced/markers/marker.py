@@ -109,6 +109,9 @@ class PassReport:
     """The step the "latest" file points at after the pass (None: no file)."""
     unsettled: bool = False
     """Some step waits only for a file to hold still for the settle period."""
+    reconciled: bool = False
+    """The marker has checked what the daemon held for its ranks when it started
+    (one settle period after its first pass; see `Marker.poll`)."""
 
 
 def _in(step: int, intervals: Iterable[Sequence[int]]) -> bool:
@@ -182,7 +185,10 @@ class Marker:
         self._seen_at_resolve: set[int] = set()
         self._recommit = False
         self.target: int | None = None
-        self._warned: set[str] = set()
+        self._clock = clock
+        self._settle = settle
+        self._started: float | None = None
+        self._unverified: set[int] | None = None
 
     # -- the daemon restarted -----------------------------------------------------------
 
@@ -209,8 +215,11 @@ class Marker:
             self._recommit = False
             for c in list(self.committed.values()):
                 self._commit_ranks(c.step, c.digests)
-        safe = self.client.state(self.stream).get("safe_to_delete") or []
-        self._check_committed(steps, safe, report)
+        before = self.client.state(self.stream)
+        if self._started is None:
+            self._started = self._clock()
+            self._unverified = self._held_here(before)
+        self._check_committed(steps, before.get("safe_to_delete") or [], report)
         for step, step_dir in sorted(steps.items()):
             if step in self.committed or step in self.refused:
                 continue
@@ -220,11 +229,49 @@ class Marker:
             else:
                 report.waiting[step] = why
                 report.unsettled |= why.endswith("settling")
+        report.reconciled = self._reconcile(report)
         state = self.client.state(self.stream)
         report.target = self._point(self._target(state, steps))
         if self.gc:
             self._collect(steps, state.get("safe_to_delete") or [], report)
         return report
+
+    def _held_here(self, state: Mapping[str, Any]) -> set[int]:
+        # What the daemon already counts as restorable on this node: commits of an
+        # earlier marker process, perhaps of steps deleted or damaged since. Only
+        # epochs a rollback may still reach matter (none below the rollback floor
+        # can become a restore point again), which bounds the set.
+        floor = state.get("rollback_floor")
+        held: set[int] = set()
+        for lo, hi in state.get("recoverable") or []:
+            start = max(int(lo), int(floor)) if floor is not None else int(lo)
+            held.update(range(start, int(hi) + 1))
+        return held
+
+    def _reconcile(self, report: PassReport) -> bool:
+        """Retract what the daemon held for this node when the marker started and the
+        disk does not hold whole: once every step had one settle period to count."""
+        if self._unverified is None:
+            return True
+        assert self._started is not None
+        if self._clock() - self._started < self._settle:
+            return False
+        for step in sorted(self._unverified):
+            if step in self.committed or step in self.refused:
+                continue
+            why = report.waiting.get(step)
+            if why is not None and why.endswith("settling"):
+                return False  # decided at a later pass
+        for step in sorted(self._unverified - set(self.committed) - set(self.refused)):
+            for rank in self.ranks:
+                self._call_allowing(("unknown_rank",), self.client.retract,
+                                    self.stream, rank, self.domain, step)  # fmt: skip
+            report.retracted.append(step)
+            why = report.waiting.get(step, "not on disk")
+            log.warning("step %d was held for ranks %s but is not whole on disk (%s): retracted",
+                        step, _ranges(self.ranks), why)  # fmt: skip
+        self._unverified = None
+        return True
 
     def _check_committed(
         self, steps: Mapping[int, Path], safe: Sequence[Sequence[int]], report: PassReport
