@@ -150,11 +150,14 @@ def test_a_loader_reading_the_tracker_never_sees_a_torn_iteration(
             )
             for rank in (0, 1)
         ]
-        if launch == 0:  # let a first iteration be agreed, so that there is a rollback
-            until(lambda: cluster.client(1).state(stream)["restore_point"] is not None)
-        time.sleep(rng.uniform(0.1, 0.6))  # the crash: somewhere in some save
-        stop(writers)
-        stop(markers)
+        try:
+            if launch == 0:  # let a first iteration be agreed, so that there is a rollback
+                until(lambda: cluster.client(1).state(stream)["restore_point"] is not None,
+                      timeout=60, what="a first agreed iteration")  # fmt: skip
+            time.sleep(rng.uniform(0.1, 0.6))  # the crash: somewhere in some save
+        finally:
+            stop(writers)
+            stop(markers)
         rolled_from = None
         if launch == 1:
             # node-2's disk loses rank 1's files of the iteration the daemons agreed on
