@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from daemons import LocalCluster
 
+from convergenced import fsutil
 from convergenced.client import Client
 from convergenced.integrations import files
 from convergenced.integrations.files import (
@@ -179,16 +180,16 @@ def worker(cfg: dict[str, Any]) -> None:
 def _arm_crash(epoch: int, local: Path) -> None:
     """Make this process die halfway through writing its local shard of ``epoch``:
     half a temporary file, no rename, no commit (as a power cut or OOM kill would)."""
-    original = files.write_atomic
+    original = fsutil.write_atomic  # what the directory tier writes with
 
-    def torn(path: Path, data: bytes) -> None:
+    def torn(path: Path, data: bytes, **options: Any) -> None:
         if local in path.parents and path.parent.name == f"epoch-{epoch}":
             path.parent.mkdir(parents=True, exist_ok=True)
             path.with_name(f".{path.name}.torn.tmp").write_bytes(data[: len(data) // 2])
             os._exit(CRASH_EXIT)
-        original(path, data)
+        original(path, data, **options)
 
-    files.write_atomic = torn  # this process is doomed: no need to restore it
+    fsutil.write_atomic = torn  # this process is doomed: no need to restore it
 
 
 def _child_main() -> None:  # pragma: no cover - runs in the child processes

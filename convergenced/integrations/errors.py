@@ -34,7 +34,7 @@ class CheckpointError(ConvergencedError):
 class CorruptShardError(CheckpointError):
     """A shard file is unreadable, torn, or its header or digest does not match."""
 
-    def __init__(self, path: Path | None, why: str) -> None:
+    def __init__(self, path: Path | str | None, why: str) -> None:
         where = str(path) if path is not None else "shard"
         super().__init__(f"{where}: corrupt shard: {why}")
         self.path = path

@@ -33,10 +33,12 @@ so the daemon knows, per domain, what this rank can restore::
 
 **On disk.** Each tier holds the shard of rank R of epoch E at
 ``<tier>/<stream>/epoch-<E>/rank-<R>.shard``, in the format of
-`convergenced.integrations.shards`. Every write goes to a temporary file in the same
-directory, is fsynced, renamed to its final name, and the directory is fsynced, so a
-crash leaves either the old state or the complete new file, never a torn shard under
-the final name.
+`convergenced.integrations.shards`. A tier is a directory (`Tier`), where every write
+goes to a temporary file in the same directory, is fsynced, renamed to its final
+name, and the directory is fsynced, or an S3 bucket
+(`convergenced.integrations.objectstore.ObjectTier`), where a PUT or a multipart
+upload becomes visible whole when it completes: either way a crash leaves the old
+state or the complete new shard, never a torn one under the final name.
 
 **Guarantees.** `CheckpointStore.restore` returns the agreed restore point of a
 recovery generation or raises: it never returns another epoch. A shard whose header
@@ -75,7 +77,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -103,17 +104,23 @@ from convergenced.integrations.launches import (
 )
 from convergenced.integrations.recommit import Ledger, Recommitted
 from convergenced.integrations.shards import (
-    _EPOCH_DIR,
     Payload,
     Shard,
-    _stream_dir,
     decode_shard,
     encode_shard,
     load_consistent,
     read_shard,
     shard_path,
 )
-from convergenced.integrations.store_api import DaemonClient, Deleted, Restored, Tier
+from convergenced.integrations.store_api import (
+    DaemonClient,
+    Deleted,
+    Location,
+    Restored,
+    StorageTier,
+    Tier,
+    read_from,
+)
 from convergenced.integrations.uploads import Uploader
 
 __all__ = [
@@ -123,6 +130,7 @@ __all__ = [
     "DaemonClient",
     "Deleted",
     "Launch",
+    "Location",
     "MixedEpochError",
     "NoRestorePointError",
     "Payload",
@@ -131,6 +139,7 @@ __all__ = [
     "Restored",
     "Shard",
     "ShardUnavailableError",
+    "StorageTier",
     "Tier",
     "UploadError",
     "decode_shard",
@@ -179,8 +188,8 @@ class CheckpointStore:
         client: DaemonClient,
         stream: str | StreamSpec | Mapping[str, Any],
         rank: int,
-        local: Tier,
-        remote: Tier | None = None,
+        local: StorageTier,
+        remote: StorageTier | None = None,
         *,
         launch: Launch | None = None,
         upload_delay: float | Callable[[int], float] = 0.0,
@@ -195,9 +204,11 @@ class CheckpointStore:
                 launch before anything else; or the stream's name, declared on the
                 daemon beforehand.
             rank: the rank this store saves for (hosted by this node).
-            local: the fast tier, written synchronously by `save`: this host's own.
+            local: the fast tier, written synchronously by `save`: this host's own
+                (a `Tier`, a directory).
             remote: the slow tier, written by the background uploader (None: no
-                uploads); every host may share it.
+                uploads); every host may share it (a `Tier` on a shared file system,
+                or an `convergenced.integrations.objectstore.ObjectTier`).
             launch: the launch to declare the spec for (`launches.new_launch` on one
                 rank, handed to every rank); None, with a spec: a stream of one rank
                 opens its own (`launches.solo_launch`). Only with a spec.
@@ -247,7 +258,7 @@ class CheckpointStore:
         """Epochs `save` did not count: this rank's daemon had retired them (see `save`)."""
         self.swept = self._sweep_temp_files()
         """Temporary files of this rank left by a crash mid-write, removed at start."""
-        self.ledger = Ledger(client, stream, rank, self._locate, self._listing)
+        self.ledger = Ledger(client, stream, rank, self._tier, self._listing)
         """The shards known to verify, and committing them again."""
         self.recommitted: Recommitted | None = None
         """What the last pass of committing again did (None: none ran)."""
@@ -266,57 +277,35 @@ class CheckpointStore:
         if not self._closed:
             self.recommitted = self.ledger.recommit()
 
-    def _locate(self, domain: str, epoch: int) -> Path:
+    def _tier(self, domain: str) -> StorageTier:
         tier = self.local if domain == self.local.domain else self.remote
         assert tier is not None and tier.domain == domain
-        return self.path(tier, epoch)
+        return tier
 
     def _listing(self) -> list[tuple[str, int]]:
         return [(tier.domain, epoch) for tier in self.tiers for epoch in self.epochs(tier)]
 
-    def _sweep_temp_files(self) -> list[Path]:
-        # A crash between writing a temp file and renaming it leaves the temp file
-        # behind; it was never committed, so nothing refers to it. A new store for
-        # this rank means the writer that left it is gone: remove it, or its epoch
-        # directory could never be removed by gc.
-        # Only files of other processes: a store of this process (a restarted
-        # thread) may still be writing its own.
-        removed: list[Path] = []
-        shard = f"rank-{self.rank}.shard"
-        for tier in self.tiers:
-            base = tier.directory / _stream_dir(self.stream)
-            for epoch_dir in sorted(base.glob("epoch-*")):
-                for tmp in fsutil.temp_files(epoch_dir / shard):
-                    with contextlib.suppress(FileNotFoundError):
-                        tmp.unlink()
-                        removed.append(tmp)
-        return removed
+    def _sweep_temp_files(self) -> list[Location]:
+        # A new store for this rank means a writer of another process that left a
+        # write cut short (a temporary file, an unfinished multipart upload) is gone:
+        # remove what it left, or gc could never tidy up after it (StorageTier.sweep).
+        return [found for tier in self.tiers for found in tier.sweep(self.stream, self.rank)]
 
     # -- paths ----------------------------------------------------------------------
 
     @property
-    def tiers(self) -> tuple[Tier, ...]:
+    def tiers(self) -> tuple[StorageTier, ...]:
         """The tiers in the order restore tries them: local, then remote."""
         return (self.local,) if self.remote is None else (self.local, self.remote)
 
-    def path(self, tier: Tier, epoch: int, rank: int | None = None) -> Path:
-        """The shard file of ``epoch`` for ``rank`` (default: this store's) in ``tier``."""
-        return shard_path(tier.directory, self.stream, epoch, self.rank if rank is None else rank)
+    def path(self, tier: StorageTier, epoch: int, rank: int | None = None) -> Location:
+        """The shard of ``epoch`` for ``rank`` (default: this store's) in ``tier``: a
+        file's path in a `Tier`, an object's URL in an object-store tier."""
+        return tier.locate(self.stream, epoch, self.rank if rank is None else rank)
 
-    def epochs(self, tier: Tier) -> list[int]:
-        """The epochs for which this rank has a shard file in ``tier``, ascending."""
-        root = tier.directory / _stream_dir(self.stream)
-        found: list[int] = []
-        try:
-            with os.scandir(root) as it:
-                entries = list(it)
-        except FileNotFoundError:
-            return found
-        for entry in entries:
-            m = _EPOCH_DIR.match(entry.name)
-            if m and os.path.isfile(os.path.join(entry.path, f"rank-{self.rank}.shard")):
-                found.append(int(m.group(1)))
-        return sorted(found)
+    def epochs(self, tier: StorageTier) -> list[int]:
+        """The epochs for which this rank has a shard in ``tier``, ascending."""
+        return tier.epochs(self.stream, self.rank)
 
     # -- saving -----------------------------------------------------------------------
 
@@ -342,7 +331,7 @@ class CheckpointStore:
             raise ValueError(f"epoch {epoch!r}: expected a non-negative integer")
         data, digest, size = encode_shard(self.stream, self.rank, epoch, payload)
         path = self.path(self.local, epoch)
-        write_atomic(path, data)
+        self.local.write(self.stream, epoch, self.rank, data)
         self.ledger.remember(self.local.domain, epoch, digest, size)
         try:
             self.client.commit(
@@ -351,7 +340,7 @@ class CheckpointStore:
         except ApiError as exc:
             if exc.reason != "retired":
                 raise
-            self._skip_retired(path, epoch, exc)
+            self._skip_retired(epoch, exc)
             return Shard(self.stream, self.rank, epoch, digest, size, payload, None,
                          self.local.domain, committed=False)  # fmt: skip
         with self._lock:
@@ -360,11 +349,10 @@ class CheckpointStore:
             self._uploads.put(epoch)
         return Shard(self.stream, self.rank, epoch, digest, size, payload, path, self.local.domain)
 
-    def _skip_retired(self, path: Path, epoch: int, refusal: ApiError) -> None:
+    def _skip_retired(self, epoch: int, refusal: ApiError) -> None:
         # Other ranks may hold the epoch's earlier content: a new one is not kept.
         with contextlib.suppress(OSError):
-            path.unlink()
-            path.parent.rmdir()
+            self.local.delete(self.stream, epoch, self.rank)
         self.ledger.forget(self.local.domain, epoch)
         self.skipped.append(epoch)
         log.warning("epoch %d not saved, training goes on: %s", epoch, refusal)
@@ -377,14 +365,14 @@ class CheckpointStore:
                 return
             src = self.path(self.local, epoch)
             try:
-                data = src.read_bytes()
+                data = self.local.read(self.stream, epoch, self.rank)
             except FileNotFoundError:
                 if (self.local.domain, epoch) in self._collected:
                     return  # collected before its upload: nothing needs it any more
                 raise
             shard = decode_shard(data, path=src, stream=self.stream, rank=self.rank, epoch=epoch)
-            dst = self.path(remote, epoch)
-            write_atomic(dst, data)
+            # Complete or absent (StorageTier.write): a failure raises before the commit.
+            remote.write(self.stream, epoch, self.rank, data)
             self.ledger.remember(remote.domain, epoch, shard.digest, shard.size)
             try:
                 self.client.commit(
@@ -398,8 +386,8 @@ class CheckpointStore:
             except ApiError as exc:
                 if exc.reason != "retired":
                     raise
-                with contextlib.suppress(OSError):
-                    dst.unlink()  # retired in the remote tier meanwhile: not wanted there
+                with contextlib.suppress(OSError):  # retired there meanwhile: not wanted
+                    remote.delete(self.stream, epoch, self.rank)
                 self.ledger.forget(remote.domain, epoch)
                 return
             self.uploaded.append(epoch)
@@ -490,11 +478,8 @@ class CheckpointStore:
         rank = self.rank if rank is None else rank
         reasons: list[str] = []
         for tier in self.tiers:
-            path = self.path(tier, epoch, rank)
             try:
-                return read_shard(
-                    path, domain=tier.domain, stream=self.stream, rank=rank, epoch=epoch
-                )
+                return read_from(tier, self.stream, epoch, rank)
             except FileNotFoundError:
                 reasons.append(f"{tier.domain}: missing")
             except CorruptShardError as exc:
@@ -585,12 +570,7 @@ class CheckpointStore:
                             continue
                         raise
                     self._collected.add((tier.domain, epoch))
-                    with contextlib.suppress(FileNotFoundError):
-                        path.unlink()
+                    tier.delete(self.stream, epoch, self.rank)
                     self.ledger.forget(tier.domain, epoch)
-                    with contextlib.suppress(OSError):
-                        path.parent.rmdir()  # the epoch directory, once every rank left it
-                    with contextlib.suppress(OSError):
-                        fsutil.fsync_dir(path.parent.parent)
                 deleted.append(Deleted(tier.domain, epoch, path))
         return deleted

@@ -13,9 +13,10 @@ once, whole: its header must name this stream, rank and epoch, and its size and
 SHA-256 digest must match the payload (`convergenced.integrations.shards.read_shard`).
 A shard that does not verify is not committed (`restore` would retract it). What was
 verified (or found corrupt), and what this store wrote itself, is remembered with the
-file's size, modification time and inode: after a reconnect only a file whose stat
-changed (or that is new) is read again, so a reconnect costs a ``stat`` and a commit
-per shard, not a read of the checkpoints.
+tier's stamp of it (a file's size, modification time and inode; an object's size and
+ETag): after a reconnect only a shard whose stamp changed (or that is new) is read
+again, so a reconnect costs a ``stat`` (a HEAD request) and a commit per shard, not a
+read of the checkpoints.
 
 **Retired epochs.** The daemon refuses a commit of an epoch this rank retired
 (reason ``retired``): the daemon allowed its deletion and the retirement is durable,
@@ -25,34 +26,22 @@ so the file is only a leftover of a deletion cut short (a crash between ``retire
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from convergenced import fsutil
 from convergenced.core.local_api_codec import ApiError
 from convergenced.integrations.errors import CorruptShardError
-from convergenced.integrations.shards import read_shard
+from convergenced.integrations.store_api import StorageTier, read_from
 
 __all__ = ["Ledger", "Recommitted"]
 
 log = logging.getLogger("convergenced.integrations.files")
 
-_Stamp = tuple[int, int, int]
-"""A file's size, modification time (ns) and inode: changed when it is rewritten."""
-
-
-def _stamp(path: Path) -> _Stamp | None:
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return None
-    return (st.st_size, st.st_mtime_ns, st.st_ino)
+_Stamp = Hashable
+"""A tier's stamp of a shard (`StorageTier.stamp`): changed when it is rewritten."""
 
 
 @dataclass
@@ -78,15 +67,15 @@ class Ledger:
         client: Any,
         stream: str,
         rank: int,
-        locate: Callable[[str, int], Path],
+        tier: Callable[[str], StorageTier],
         listing: Callable[[], Iterable[tuple[str, int]]],
     ) -> None:
-        """``locate(domain, epoch)`` is a shard's path; ``listing()`` the (domain,
-        epoch) of this rank's shard files in every tier."""
+        """``tier(domain)`` is the store's tier of a domain; ``listing()`` the (domain,
+        epoch) of this rank's shards in every tier."""
         self.client = client
         self.stream = stream
         self.rank = rank
-        self._locate = locate
+        self._tier = tier
         self._listing = listing
         self._lock = threading.Lock()  # never held across a request
         self._known: dict[tuple[str, int], tuple[_Stamp, str, int]] = {}
@@ -94,7 +83,7 @@ class Ledger:
 
     def remember(self, domain: str, epoch: int, digest: str, size: int) -> None:
         """The store wrote (or verified) this shard: no need to read it again."""
-        stamp = _stamp(self._locate(domain, epoch))
+        stamp = self._tier(domain).stamp(self.stream, epoch, self.rank)
         if stamp is not None:
             with self._lock:
                 self._known[(domain, epoch)] = (stamp, digest, size)
@@ -117,8 +106,8 @@ class Ledger:
         done = Recommitted()
         for domain, epoch in self._listing():
             key = (domain, epoch)
-            path = self._locate(domain, epoch)
-            stamp = _stamp(path)
+            tier = self._tier(domain)
+            stamp = tier.stamp(self.stream, epoch, self.rank)
             if stamp is None:
                 continue  # deleted meanwhile
             with self._lock:
@@ -130,13 +119,11 @@ class Ledger:
             else:
                 done.read.append(key)
                 try:
-                    shard = read_shard(
-                        path, domain=domain, stream=self.stream, rank=self.rank, epoch=epoch
-                    )
+                    shard = read_from(tier, self.stream, epoch, self.rank)
                 except FileNotFoundError:
                     continue
                 except CorruptShardError as exc:
-                    log.warning("not committing %s again: %s", path, exc.why)
+                    log.warning("not committing %s again: %s", exc.path, exc.why)
                     done.corrupt.append(key)
                     self.forget(domain, epoch)
                     with self._lock:
@@ -150,7 +137,7 @@ class Ledger:
             except ApiError as exc:
                 if exc.reason != "retired":
                     raise
-                self._delete(path)
+                tier.delete(self.stream, epoch, self.rank)
                 self.forget(domain, epoch)
                 done.deleted.append(key)
                 continue
@@ -167,12 +154,3 @@ class Ledger:
                 len(done.deleted),
             )
         return done
-
-    @staticmethod
-    def _delete(path: Path) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-        with contextlib.suppress(OSError):
-            path.parent.rmdir()  # the epoch directory, once every rank left it
-        with contextlib.suppress(OSError):
-            fsutil.fsync_dir(path.parent.parent)

@@ -71,7 +71,8 @@ class Shard:
     size: int
     """Payload size in bytes (the size committed to the daemon)."""
     payload: Payload
-    path: Path | None = None
+    path: Path | str | None = None
+    """Where it was read: a file's path, or an object's URL."""
     domain: str | None = None
     committed: bool = True
     """False for a save the daemon did not count (an epoch it had retired; see
@@ -119,7 +120,7 @@ def encode_shard(stream: str, rank: int, epoch: int, payload: Payload) -> tuple[
 def decode_shard(
     data: bytes,
     *,
-    path: Path | None = None,
+    path: Path | str | None = None,
     domain: str | None = None,
     stream: str | None = None,
     rank: int | None = None,

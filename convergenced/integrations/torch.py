@@ -112,7 +112,13 @@ from convergenced.integrations.errors import (
     RestorePointLostError,
     ShardUnavailableError,
 )
-from convergenced.integrations.files import CheckpointStore, DaemonClient, Deleted, Tier
+from convergenced.integrations.files import (
+    CheckpointStore,
+    DaemonClient,
+    Deleted,
+    StorageTier,
+    Tier,
+)
 from convergenced.integrations.launches import Launch, shared_generation, shared_launch
 from convergenced.integrations.shards import Shard, load_consistent
 
@@ -360,8 +366,8 @@ class TorchCheckpointer:
         client: DaemonClient,
         stream: str | StreamSpec | Mapping[str, Any],
         rank: int,
-        local: Tier,
-        remote: Tier | None = None,
+        local: StorageTier,
+        remote: StorageTier | None = None,
         *,
         group: Any = None,
         launch: Launch | None = None,

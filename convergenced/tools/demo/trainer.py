@@ -370,7 +370,7 @@ class Trainer(threading.Thread):
         if crash is not None and crash.node == self.node and crash.epoch == epoch:
             # Die in the middle of writing the shard: half a temporary file, no rename.
             data = encode_shard(STREAM, self.rank, epoch, payload)[0]
-            final = store.path(store.local, epoch)
+            final = Path(store.path(store.local, epoch))  # the local tier: a directory
             final.parent.mkdir(parents=True, exist_ok=True)
             final.with_name(f".{final.name}.tmp").write_bytes(data[: len(data) // 2])
             crash.mid_write.set()
