@@ -13,8 +13,11 @@
   asked by one rank and shared with the others (over a torch process group, or your
   own way).
 - `convergenced.integrations.uploads`: the store's background uploader.
-- `convergenced.integrations.dcp_layout`: what a PyTorch Distributed Checkpoint step
-  directory holds, and whether it is complete for the world that saved it.
+- `convergenced.integrations.dcp`: PyTorch Distributed Checkpoint (``dcp.save``,
+  ``dcp.async_save``, ``dcp.load``) committed once each step is loadable, loads of the
+  agreed step (resharded to another world size as DCP allows), and GC;
+  `convergenced.integrations.dcp_layout` says whether a step directory is complete for
+  the world that saved it.
 - `convergenced.integrations.torch`: PyTorch state (model, optimizer, scheduler, RNG)
   on those checkpoints.
 

@@ -37,9 +37,9 @@ import pickle
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from convergenced.integrations.dcp_storage import DcpStorage
 from convergenced.integrations.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -142,57 +142,7 @@ class DcpCompleteness:
         return tuple(f for f in self.files if f.rank == rank)
 
 
-# -- storage: a local directory or an fsspec URL ---------------------------------------
-
-
-class _Storage:
-    """The few reads this module needs, on a local directory or through fsspec."""
-
-    def __init__(self, step_dir: StepDir) -> None:
-        self.where = os.fspath(step_dir)
-        self._fs: Any = None
-        self._root = self.where
-        if "://" in self.where:
-            from fsspec.core import url_to_fs  # type: ignore[import-untyped]  # URLs only
-
-            self._fs, self._root = url_to_fs(self.where)
-
-    def listing(self) -> dict[str, int] | None:
-        """Every regular file's name -> size; None when the directory does not exist."""
-        if self._fs is None:
-            try:
-                entries = list(os.scandir(self.where))
-            except (FileNotFoundError, NotADirectoryError):
-                return None
-            out: dict[str, int] = {}
-            for e in entries:
-                try:
-                    if e.is_file():
-                        out[e.name] = e.stat().st_size
-                except FileNotFoundError:
-                    continue  # removed while we listed
-            return out
-        try:
-            infos = self._fs.ls(self._root, detail=True, refresh=True)
-        except TypeError:  # filesystems without the refresh keyword
-            infos = self._fs.ls(self._root, detail=True)
-        except FileNotFoundError:
-            return None
-        out = {}
-        for info in infos:
-            if info.get("type") == "file":
-                out[str(info["name"]).rstrip("/").rsplit("/", 1)[-1]] = int(info["size"] or 0)
-        return out
-
-    def read(self, name: str) -> bytes:
-        if self._fs is None:
-            return Path(self.where, name).read_bytes()
-        with self._fs.open(f"{self._root.rstrip('/')}/{name}", "rb") as f:
-            data: bytes = f.read()
-            return data
-
-
-def _load_metadata(storage: _Storage, name: str) -> Metadata:
+def _load_metadata(storage: DcpStorage, name: str) -> Metadata:
     import torch.distributed.checkpoint.metadata as md  # the classes the pickle names
 
     try:
@@ -222,8 +172,8 @@ def read_dcp_metadata(step_dir: StepDir, *, rank: int | None = None) -> Metadata
     Raises:
         DcpLayoutError: neither file exists, or the one there is unreadable.
     """
-    storage = _Storage(step_dir)
-    names = storage.listing()
+    storage = DcpStorage(step_dir)
+    names = storage.files()
     if names is None:
         raise DcpLayoutError(step_dir, "no such directory")
     if GLOBAL_METADATA in names:
@@ -266,9 +216,9 @@ def dcp_step_complete(step_dir: StepDir, *, world: int | None = None) -> DcpComp
     """
     if world is not None and world < 1:
         raise ValueError(f"world must be positive, got {world}")
-    storage = _Storage(step_dir)
+    storage = DcpStorage(step_dir)
     where = storage.where
-    names = storage.listing()
+    names = storage.files()
     if names is None:
         return DcpCompleteness(where, False, "none", world, False, (), 0, ["no such directory"])
     problems: list[str] = []
