@@ -17,6 +17,9 @@ deleted.
 Beside each held epoch, the digest and size it was committed with (its `Content`)
 are kept while the epoch is held, so a commit sent again can be told from a
 different checkpoint of the same epoch (`commits`). Log compaction keeps them too.
+Their sizes are also summed per domain as they come and go, so what the node's ranks
+store (`StreamFacts.stored`, shown by ``state`` and the metrics) costs nothing to
+read however many epochs they hold.
 """
 
 from __future__ import annotations
@@ -78,6 +81,18 @@ class Content:
     def same(self, digest: str, size: int) -> bool:
         """Whether a commit stating ``digest`` and ``size`` says the same bytes."""
         return self.digest == digest and self.size == size
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """What this node's ranks of a stream hold in one domain: the epochs committed
+    there and neither retracted nor retired (`StreamFacts.stored`)."""
+
+    bytes: int
+    """The sum of the sizes their commits stated, over ranks and epochs (a commit that
+    stated no size counts 0)."""
+    epochs: int
+    """How many epochs at least one of the ranks holds there."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,6 +270,9 @@ class StreamFacts:
     restore point after a restart."""
     contents: dict[tuple[int, str], dict[int, Content]] = field(default_factory=dict)
     """Per (rank, domain), the `Content` of each held epoch whose commit stated one."""
+    _stored_bytes: dict[str, int] = field(default_factory=dict)
+    """Per domain, the sum of the sizes in `contents`: kept as they change (`_held`,
+    `_drop_contents`), so `stored` never walks the epochs."""
     _rank_sets: dict[int, IntervalSet] = field(default_factory=dict)
     _recoverable: IntervalSet = field(default_factory=IntervalSet)
     _ranks: tuple[int, ...] = ()
@@ -279,7 +297,9 @@ class StreamFacts:
         """
         assert spec.same_stream(self.spec) and spec.membership > self.spec.membership
         gone = tuple(r for r in self._ranks if r not in spec.ranks_of(self.node))
-        for table in (self.available, self.retired, self.contents):
+        for key in [k for k in self.contents if k[0] in gone]:
+            self._drop_contents(key)
+        for table in (self.available, self.retired):
             for key in [k for k in table if k[0] in gone]:
                 del table[key]
         for r in gone:
@@ -372,14 +392,31 @@ class StreamFacts:
 
     def _set_content(self, key: tuple[int, str], fact: EpochFact) -> None:
         held = self.contents.get(key)
+        old = held.get(fact.epoch) if held else None
+        if old is not None:
+            self._held(key[1], -old.size)
         if isinstance(fact, Commit) and (fact.digest or fact.size):
             if held is None:
                 held = self.contents[key] = {}
             held[fact.epoch] = Content(fact.digest, fact.size, self.generations.newest_frozen())
+            self._held(key[1], fact.size)
         elif held is not None:
             held.pop(fact.epoch, None)  # lost, retired, or committed again without one
             if not held:
                 del self.contents[key]
+
+    def _drop_contents(self, key: tuple[int, str]) -> None:
+        """Forget every `Content` of ``key`` (its sets are being replaced or dropped)."""
+        held = self.contents.pop(key, None)
+        if held:
+            self._held(key[1], -sum(c.size for c in held.values()))
+
+    def _held(self, domain: str, change: int) -> None:
+        total = self._stored_bytes.get(domain, 0) + change
+        if total:
+            self._stored_bytes[domain] = total
+        else:
+            self._stored_bytes.pop(domain, None)
 
     def _commit_added(self, rank: int, domain: str, epoch: int) -> None:
         # A commit only adds one epoch, so every derived set can only gain that epoch:
@@ -436,7 +473,7 @@ class StreamFacts:
         """Apply a compacted `RankState` (checked first)."""
         self.check_rank(state.rank, state.domain)
         key = (state.rank, state.domain)
-        self.contents.pop(key, None)  # the commits compaction writes after it restore them
+        self._drop_contents(key)  # the commits compaction writes after it restore them
         for table, value in ((self.available, state.available), (self.retired, state.retired)):
             if value:
                 table[key] = value
@@ -485,6 +522,21 @@ class StreamFacts:
         """
         domains = self.spec.policy.domains
         return {d: e for d, e in self._newest.items() if d in domains}
+
+    def stored(self) -> dict[str, Stored]:
+        """Per domain of the policy (sorted), what this node's ranks hold there.
+
+        Read at every ``state`` and metrics scrape, so bounded whatever the history:
+        the bytes are kept summed as facts apply, and the epochs are counted on the
+        union of the ranks' interval sets, O(ranks hosted here x their ranges) per
+        domain, at most `limits.MAX_POLICY_DOMAINS` domains. Only the policy's domains,
+        as `newest_by_domain`, so labels stay bounded by the spec.
+        """
+        out: dict[str, Stored] = {}
+        for d in sorted(self.spec.policy.domains):
+            held = IntervalSet.union_all([self.available.get((r, d), EMPTY) for r in self._ranks])
+            out[d] = Stored(self._stored_bytes.get(d, 0), len(held))
+        return out
 
     def _recompute_newest(self, domain: str) -> None:
         common = IntervalSet.intersect_all(

@@ -55,6 +55,7 @@ from convergenced.core.facts import (
     Retire,
     Retract,
     Settled,
+    Stored,
     Undeclare,
 )
 from convergenced.core.generation_requests import GenerationRequests
@@ -417,6 +418,10 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests):
                         records=self.view.stream(stream),
                         safe_to_delete=self.safe_to_delete(stream),
                         waiting_for=() if st.settled else self._waiting_for(st))  # fmt: skip
+
+    def stored(self, stream: str) -> dict[str, Stored]:
+        """Per domain of its policy, what this node's ranks of ``stream`` hold there."""
+        return self._stream(stream).facts.stored()
 
     def restore_point(self, stream: str) -> int | None:
         """Our current restore point of ``stream``."""

@@ -7,10 +7,10 @@ in its view; nothing here changes anything.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from convergenced.core.agreement import Decision, Knowledge, StreamAgreement
-from convergenced.core.facts import StreamFacts
+from convergenced.core.facts import Stored, StreamFacts
 from convergenced.core.interval_set import IntervalSet
 from convergenced.core.records import UNDECLARED, Record
 from convergenced.core.spec import StreamSpec
@@ -44,6 +44,8 @@ class StreamStatus:
     """Members whose record names a newer membership than this node's spec, with it:
     the job declared a new member map this node is not in, or has not declared yet
     (PROTOCOL.md 8.1)."""
+    stored: Mapping[str, Stored] = field(default_factory=dict)
+    """Per domain of the policy, what this node's ranks hold there (`StreamFacts.stored`)."""
 
 
 def describe(
@@ -92,6 +94,7 @@ def describe(
         newest=newest,
         skew=max(tops) - min(tops) if complete else None,
         generations=tuple(g for g, _ in facts.generations.open_sets()),
+        stored=facts.stored(),
         moved_on=tuple(
             (m, r.membership)
             for m in spec.member_ids
