@@ -829,6 +829,8 @@ def test_dashboard_is_a_valid_grafana_dashboard() -> None:
         "convergenced_rollbacks_total",
         "convergenced_retractions_total",
         "convergenced_peer_up",
+        "convergenced_stored_bytes",
+        "convergenced_stored_epochs",
         "histogram_quantile(0.5, sum by (instance, peer, le) "
         "(rate(convergenced_peer_exchange_rtt_seconds_bucket",
         "histogram_quantile(0.99, sum by (instance, peer, le) "
@@ -905,6 +907,8 @@ class _StateOfOneStream:
             "domain_skew": {"nvme": 1},
             "knowledge": "published",
             "newest": {"a": {"nvme": 7}},
+            "stored_bytes": {"nvme": 4096},
+            "stored_epochs": {"nvme": 3},
         }
 
     def node_id(self) -> str:

@@ -511,6 +511,10 @@ def status_to_wire(s: StreamStatus) -> dict[str, Any]:
         "membership": s.spec.membership,
         "older_map_generations": [g for g in s.generations if g < s.spec.membership],
         "moved_on": dict(s.moved_on),
+        # What this node's ranks hold (committed, neither retracted nor retired), per
+        # domain of the policy: the sizes their commits stated, and the epochs.
+        "stored_bytes": {d: st.bytes for d, st in s.stored.items()},
+        "stored_epochs": {d: st.epochs for d, st in s.stored.items()},
     }
 
 

@@ -67,6 +67,36 @@ def format_duration(seconds: float) -> str:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+_BYTE_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+
+
+def format_bytes(n: int) -> str:
+    """``512 B``, ``1.5 KiB``, ``12.3 GiB``: binary units, three significant digits."""
+    if n < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in _BYTE_UNITS:
+        value /= 1024
+        if value < 1023.5 or unit == _BYTE_UNITS[-1]:  # never "1024 KiB"
+            return f"{value:.0f} {unit}" if value >= 100 else f"{value:.3g} {unit}"
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def format_stored(st: Mapping[str, Any]) -> str:
+    """``nvme 1.5 GiB in 3 epochs, s3 0 B in 0 epochs``: what this node's ranks hold
+    per domain, from a state map (``unknown`` from a daemon that does not say)."""
+    sizes: Mapping[str, int] | None = st.get("stored_bytes")
+    if sizes is None:
+        return "unknown"
+    counts: Mapping[str, int] = st.get("stored_epochs") or {}
+    parts = []
+    for d, size in sorted(sizes.items()):
+        n = counts.get(d)
+        epochs = "" if n is None else f" in {n} epoch{'' if n == 1 else 's'}"
+        parts.append(f"{d} {format_bytes(size)}{epochs}")
+    return ", ".join(parts) or "none"
+
+
 def format_status(st: Mapping[str, Any]) -> str:
     """The ``status`` result for people."""
     peers = st.get("peers", [])
@@ -89,6 +119,7 @@ def format_status(st: Mapping[str, Any]) -> str:
             ("peers", peer_text),
             ("clients", str(st["clients"])),
             ("streams", _names(st["streams"])),
+            *_stored_total(st),
             ("links", "none" if not st["links"] else ""),
         ]
     )
@@ -106,6 +137,15 @@ def format_status(st: Mapping[str, Any]) -> str:
             )
         lines += _table(rows)
     return "\n".join(lines)
+
+
+def _stored_total(st: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The ``stored`` line of ``status``: bytes over every stream and domain."""
+    by_stream: Mapping[str, Mapping[str, int]] | None = st.get("stored_bytes")
+    if by_stream is None:
+        return []  # a daemon that does not say
+    total = sum(sum(domains.values()) for domains in by_stream.values())
+    return [("stored", f"{format_bytes(total)} by this node's ranks")]
 
 
 def format_state(st: Mapping[str, Any]) -> str:
@@ -134,6 +174,7 @@ def format_state(st: Mapping[str, Any]) -> str:
             ("rollback floor", _value(st.get("rollback_floor"))),
             ("gc horizon", _value(st["gc_horizon"])),
             ("safe to delete", format_intervals(st["safe_to_delete"])),
+            ("stored", format_stored(st)),
             ("skew", skew),
             ("generations", _generations(st)),
             ("missing", _names(st["missing"])),

@@ -3,9 +3,10 @@
 ``top [STREAM] [--interval S] [--count N] [--no-clear] [--json]`` is the live view of
 one stream (default: the first one ``streams`` lists): a header (node, cluster, time of
 the last update), the membership in force and the domains' scopes, the restore point,
-proposal, knowledge, convergence interval, skew and per-domain skew, GC horizon, and the
-members that moved on to a newer membership; the epoch lattice (a row per member, a
-column per domain, the newest epoch all the member's ranks hold there, ``-`` for none;
+proposal, knowledge, convergence interval, skew and per-domain skew, GC horizon, what
+this node's ranks store per domain (bytes and epochs), and the members that moved on to
+a newer membership; the epoch lattice (a row per member, a column per domain, the
+newest epoch all the member's ranks hold there, ``-`` for none;
 ``*`` marks the lowest epoch of a domain whose members differ, ``!`` an epoch older than
 the restore point); then the links (peer, state, in sync) and configured peers with no
 link. It draws a frame on every ``watch`` event and whenever a link comes up, goes down
@@ -49,6 +50,7 @@ from convergenced.ctl.formatting import (
     _skew,
     _value,
     format_intervals,
+    format_stored,
 )
 from convergenced.ctl.parser import EXIT_FAILED, EXIT_OK
 
@@ -272,6 +274,7 @@ def render_top(
         ("convergence", format_intervals(state.get("convergence"))),
         ("skew", _skew(state)),
         ("gc horizon", _value(state.get("gc_horizon"))),
+        ("stored", format_stored(state)),
     ]
     if state.get("missing"):
         pairs.append(("missing", _names(state["missing"])))

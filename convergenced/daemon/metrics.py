@@ -10,10 +10,10 @@ Two kinds of metric, for two reasons:
 
 * **event metrics** (counters, histograms) are incremented where the event happens,
   by `Telemetry`: cheap increments on paths that already do much more work;
-* **state metrics** (restore point, skew, divergence, ages, links, bytes) are read
-  when Prometheus scrapes, by `StateCollector`, through the narrow `StateSource`
-  interface: nothing is kept up to date on the hot path, and a scrape shows the
-  state as it is.
+* **state metrics** (restore point, skew, divergence, ages, bytes stored, links, log
+  size) are read when Prometheus scrapes, by `StateCollector`, through the narrow
+  `StateSource` interface: nothing is kept up to date on the hot path, and a scrape
+  shows the state as it is.
 
 Names carry the ``convergenced_`` prefix and base units; labels are bounded (stream,
 domain, peer, reason, type, direction, outcome: from the configuration, declared
@@ -71,6 +71,12 @@ CATALOG: tuple[MetricSpec, ...] = (
        "point (RPO in epochs)"),
     _m("knowledge_level", "gauge", S, "how far agreement got: 0 incomplete, 1 interval, "
        "2 proposed, 3 published"),
+    _m("stored_bytes", "gauge", ("stream", "domain"), "bytes this node's ranks hold in the "
+       "domain: the sizes their commits stated, of the epochs committed and neither "
+       "retracted nor retired (a commit without a size counts 0)"),
+    _m("stored_epochs", "gauge", ("stream", "domain"), "epochs at least one of this node's "
+       "ranks holds in the domain (committed, neither retracted nor retired): what GC "
+       "keeps, to compare with the retention"),
     # -- events of each stream
     _m("recovery_seconds", "gauge", S, "last recovery generation, first request to agreed "
        "answer (RTO as this daemon sees it)"),
@@ -191,6 +197,10 @@ class StateCollector(Collector):
             for domain, spread in s["domain_skew"].items():
                 gauge("domain_divergence", [stream, domain], spread)
             gauge("knowledge_level", [stream], KNOWLEDGE.get(s["knowledge"], 0))
+            for domain, size in s["stored_bytes"].items():
+                gauge("stored_bytes", [stream, domain], size)
+            for domain, count in s["stored_epochs"].items():
+                gauge("stored_epochs", [stream, domain], count)
             age = src.restore_point_age(stream)
             if rp is not None and age is not None:
                 gauge("restore_point_age_seconds", [stream], age)

@@ -136,6 +136,10 @@ class Running:
             "links": links,
             "clients": len(self.api.sessions),
             "streams": self.node.streams(),
+            "stored_bytes": {
+                stream: {d: st.bytes for d, st in self.node.stored(stream).items()}
+                for stream in self.node.streams()
+            },
             "counters": self.telemetry.counters(),
         }
 
