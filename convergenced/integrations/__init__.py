@@ -20,6 +20,8 @@
   the world that saved it.
 - `convergenced.integrations.torch`: PyTorch state (model, optimizer, scheduler, RNG)
   on those checkpoints.
+- `convergenced.integrations.torchtitan`: torchtitan's checkpoint manager, loading the
+  agreed step, committing its DCP saves and purging only what the daemon says is safe.
 
 Integrations never import a training framework unless it is used.
 """
