@@ -86,6 +86,7 @@ class _Faults:
         self.app = app
         self.rules: list[dict[str, Any]] = []
         self.lock = threading.Lock()
+        self.released = threading.Event()  # set when the rules are cleared
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
         path = environ.get("PATH_INFO", "")
@@ -95,10 +96,16 @@ class _Faults:
         query = environ.get("QUERY_STRING", "")
         with self.lock:
             rule = next((r for r in self.rules if self._matches(r, method, path, query)), None)
+            if rule is not None and rule["passed"] < rule["after"]:
+                rule["passed"] += 1
+                rule = None
             if rule is not None:
                 rule["hits"] += 1
+            released = self.released
         if rule is None:
             return self.app(environ, start_response)
+        if rule["hold"]:  # a request that hangs, until the test clears the rules
+            released.wait(rule["hold"])
         body = (
             '<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{0}</Code>'
             "<Message>injected by the test: {0}</Message><RequestId>fault</RequestId></Error>"
@@ -127,9 +134,11 @@ class _Faults:
             if method == "POST":
                 size = int(environ.get("CONTENT_LENGTH") or 0)
                 rule = json.loads(environ["wsgi.input"].read(size))
-                self.rules.append({**rule, "hits": 0})
+                self.rules.append({**rule, "hits": 0, "passed": 0})
             elif method == "DELETE":
                 self.rules.clear()
+                self.released.set()
+                self.released = threading.Event()
             body = json.dumps(self.rules).encode()
         start_response("200 OK", [("Content-Type", "application/json")])
         return [body]
@@ -212,11 +221,15 @@ class S3Server:
         status: int = 500,
         code: str = "InternalError",
         times: int | None = None,
+        after: int = 0,
+        hold: float = 0,
     ) -> None:
         """Fail requests with ``method`` (None: any) whose path contains ``path`` and
         whose query has the parameter ``query`` (``uploadId``, ``partNumber``...),
-        answering ``status`` and the S3 error ``code``; the first ``times`` of them
-        (None: all, retries included)."""
+        answering ``status`` and the S3 error ``code``: ``times`` of them (None: all,
+        retries included) after letting the first ``after`` through. With ``hold``,
+        each such request hangs first, up to ``hold`` seconds or until
+        `clear_faults` (a process can be killed in the middle of it)."""
         rule = {
             "method": method,
             "path": path,
@@ -224,15 +237,18 @@ class S3Server:
             "status": status,
             "code": code,
             "times": times,
+            "after": after,
+            "hold": hold,
         }
         self._faults("POST", rule)
 
     def faults(self) -> list[dict[str, Any]]:
-        """The rules in force, each with ``hits``: how many requests it failed."""
+        """The rules in force, each with ``hits``: how many requests it failed (or
+        holds)."""
         return self._faults("GET")
 
     def clear_faults(self) -> None:
-        """Drop every rule."""
+        """Drop every rule, and release the requests they hold."""
         self._faults("DELETE")
 
 
