@@ -13,6 +13,8 @@
   asked by one rank and shared with the others (over a torch process group, or your
   own way).
 - `convergenced.integrations.uploads`: the store's background uploader.
+- `convergenced.integrations.objectstore`: an S3 bucket as a store's tier (AWS, MinIO,
+  Ceph), through s3fs, configured by the standard AWS environment.
 - `convergenced.integrations.dcp`: PyTorch Distributed Checkpoint (``dcp.save``,
   ``dcp.async_save``, ``dcp.load``) committed once each step is loadable, loads of the
   agreed step (resharded to another world size as DCP allows), and GC;
