@@ -40,6 +40,11 @@ import io, os, sys, time, random, zipfile, hashlib
 root = sys.argv[1]
 rank, start, seed, hang_at = (int(a) for a in sys.argv[2:6])
 rng = random.Random(seed * 1000 + rank * 7 + start)
+parent = os.getppid()
+def orphaned():
+    # Never outlive the test: a writer whose test died (killed, timed out) stops
+    # instead of filling the disk with iterations for ever.
+    return os.getppid() != parent
 def payload(step):
     block = hashlib.sha256(f"{step}/{rank}".encode()).digest() * 2048
     buf = io.BytesIO()
@@ -47,7 +52,9 @@ def payload(step):
         z.writestr("archive/data.pkl", block)
     return buf.getvalue()
 step = start
-while True:
+for _ in range(5000):
+    if orphaned():
+        break
     step += EVERY
     d = os.path.join(root, f"iter_{step:07d}", f"mp_rank_{rank:02d}")
     os.makedirs(d, exist_ok=True)
@@ -56,7 +63,9 @@ while True:
         for i in range(0, len(data), 8192):
             if step == hang_at and i >= len(data) // 2:
                 f.flush()
-                time.sleep(3600)
+                while not orphaned():
+                    time.sleep(0.5)
+                sys.exit(0)
             f.write(data[i:i + 8192])
             f.flush()
             time.sleep(rng.random() * 0.002)
