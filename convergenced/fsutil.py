@@ -22,6 +22,16 @@ _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 
 
+def fsync_file(path: Path | str) -> None:
+    """fsync the data of the file at ``path`` (a read-only descriptor is enough on
+    Linux), for files another writer wrote and closed without it."""
+    fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(directory: Path | str) -> None:
     """fsync ``directory``, so that names created or removed in it survive a crash."""
     fd = os.open(directory, os.O_RDONLY | _O_DIRECTORY)

@@ -63,7 +63,7 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -93,7 +93,7 @@ from convergenced.integrations.errors import (
     ShardUnavailableError,
 )
 from convergenced.integrations.launches import Launch, as_spec, shared_generation, shared_launch
-from convergenced.integrations.store_api import DaemonClient
+from convergenced.integrations.store_api import DaemonClient, in_intervals
 
 __all__ = [
     "DcpCheckpointer",
@@ -128,10 +128,6 @@ def _step_pattern(step_format: str) -> re.Pattern[str]:
 
 
 _RANK_TMP = re.compile(r"^__(\d+)\.metadata\.tmp$")
-
-
-def _in_intervals(epoch: int, intervals: Iterable[Sequence[int]]) -> bool:
-    return any(lo <= epoch <= hi for lo, hi in intervals)
 
 
 class DcpCheckpointer:
@@ -492,7 +488,7 @@ class DcpCheckpointer:
         if not safe:
             return deleted
         for epoch in self.steps():
-            if not _in_intervals(epoch, safe):
+            if not in_intervals(epoch, safe):
                 continue
             files = DcpStorage(self.checkpoint_id(epoch)).files() or {}
             if not self._own_files(files):

@@ -130,11 +130,7 @@ class DcpStorage:
         if self.local is None:
             return
         for name in names:
-            fd = os.open(self._path(name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsutil.fsync_file(self._path(name))
         fsutil.fsync_dir(self.local)
         fsutil.fsync_dir(os.path.dirname(os.path.abspath(self.local)))
 

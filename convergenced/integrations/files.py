@@ -78,7 +78,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -119,6 +119,7 @@ from convergenced.integrations.store_api import (
     Restored,
     StorageTier,
     Tier,
+    in_intervals,
     read_from,
 )
 from convergenced.integrations.uploads import Uploader
@@ -164,10 +165,6 @@ def write_atomic(path: Path, data: bytes) -> None:
     `convergenced.fsutil.write_atomic`.
     """
     fsutil.write_atomic(path, data, make_parents=True)
-
-
-def _in_intervals(epoch: int, intervals: Iterable[Sequence[int]]) -> bool:
-    return any(lo <= epoch <= hi for lo, hi in intervals)
 
 
 # -- the store ------------------------------------------------------------------------
@@ -559,7 +556,7 @@ class CheckpointStore:
             return deleted
         for tier in self.tiers:
             for epoch in self.epochs(tier):
-                if not _in_intervals(epoch, safe):
+                if not in_intervals(epoch, safe):
                     continue
                 path = self.path(tier, epoch)
                 with self._lock:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol, TypeAlias
@@ -34,8 +34,16 @@ __all__ = [
     "Restored",
     "StorageTier",
     "Tier",
+    "in_intervals",
     "read_from",
 ]
+
+
+def in_intervals(epoch: int, intervals: Iterable[Sequence[int]]) -> bool:
+    """Whether ``epoch`` lies in a ``state`` reply's list of ``[lo, hi]`` ranges
+    (``safe_to_delete``, ``recoverable``), bounds included."""
+    return any(lo <= epoch <= hi for lo, hi in intervals)
+
 
 Location: TypeAlias = Path | str
 """Where a shard lives: a file's path, or an object's URL (``s3://bucket/key``)."""

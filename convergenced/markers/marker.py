@@ -40,19 +40,19 @@ import hashlib
 import logging
 import shutil
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from convergenced import fsutil
 from convergenced.core.local_api_codec import ApiError, ErrorKind
+from convergenced.integrations.store_api import in_intervals
 from convergenced.markers.layouts import Layout
 from convergenced.markers.verify import (
     DigestCache,
     Settler,
     Signature,
-    fsync_file,
     signature,
     zip_complete,
 )
@@ -112,10 +112,6 @@ class PassReport:
     reconciled: bool = False
     """The marker has checked what the daemon held for its ranks when it started
     (one settle period after its first pass; see `Marker.poll`)."""
-
-
-def _in(step: int, intervals: Iterable[Sequence[int]]) -> bool:
-    return any(lo <= step <= hi for lo, hi in intervals)
 
 
 class Marker:
@@ -284,7 +280,7 @@ class Marker:
             self.settler.forget(c.signatures)
             self.digests.forget(c.signatures)
             gone = all(sig is None for sig in now.values())
-            if gone and _in(step, safe) and self._retire(step):
+            if gone and in_intervals(step, safe) and self._retire(step):
                 report.retired.append(step)
                 log.info("step %d deleted (safe to delete): retired for ranks %s",
                          step, _ranges(self.ranks))  # fmt: skip
@@ -322,7 +318,7 @@ class Marker:
         sigs = {step_dir / n: looks[n][0] for n in names}
         try:
             for path in sigs:
-                fsync_file(path)
+                fsutil.fsync_file(path)
             for d in sorted({p.parent for p in sigs}):
                 fsutil.fsync_dir(d)
             digests: dict[int, tuple[str, int]] = {}
@@ -480,7 +476,7 @@ class Marker:
         if floor is None:
             return
         for step, step_dir in sorted(steps.items()):
-            if step >= floor or not _in(step, safe):
+            if step >= floor or not in_intervals(step, safe):
                 continue
             c = self.committed.pop(step, None)
             if c is not None and not self._retire(step):

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["DigestCache", "Settler", "Signature", "fsync_file", "signature", "zip_complete"]
+__all__ = ["DigestCache", "Settler", "Signature", "signature", "zip_complete"]
 
 _CHUNK = 1 << 20
 
@@ -113,15 +113,6 @@ def zip_complete(path: Path) -> str | None:
     if not infos:
         return "an empty zip archive"
     return None
-
-
-def fsync_file(path: Path) -> None:
-    """fsync ``path``'s data (a read-only descriptor is enough on Linux)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class DigestCache:
