@@ -79,6 +79,8 @@ async def test_a_link_coming_up_is_logged_with_peer_address_role_and_incarnation
     a, b = _hub("a"), _hub("b", incarnation=7)
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.run_timer)
+            nursery.start_soon(b.run_timer)
             left, right = trio.testing.memory_stream_pair()
             nursery.start_soon(PeerSession(a, left, Role.INITIATOR, address="b.example:1").run)
             nursery.start_soon(PeerSession(b, right, Role.ACCEPTOR, address="a.example:2").run)
@@ -96,6 +98,8 @@ async def test_a_link_going_down_is_logged_with_its_reason(
     a, b = _hub("a"), _hub("b")
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.run_timer)
+            nursery.start_soon(b.run_timer)
             left, right = trio.testing.memory_stream_pair()
             ours = PeerSession(a, left, Role.INITIATOR, address="b.example:1")
             theirs = PeerSession(b, right, Role.ACCEPTOR)
@@ -116,6 +120,7 @@ async def test_a_connection_that_never_said_hello_logs_no_link(
     a = _hub("a")
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.run_timer)
             rogue, ours = trio.testing.memory_stream_pair()
             nursery.start_soon(PeerSession(a, ours, Role.ACCEPTOR).run)
             await rogue.send_all(b"GET / HTTP/1.1\r\n\r\n")
@@ -143,6 +148,8 @@ async def test_a_lost_link_is_logged_as_reconnecting_with_reason_and_retry(
 
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.run_timer)
+            nursery.start_soon(b.run_timer)
             nursery.start_soon(lambda: dial_forever(a, Peer("b", "b.example", 1), connect=connect))
             await _until(lambda: a.node.neighbours == {"b"})
             await theirs[0].close("restart")

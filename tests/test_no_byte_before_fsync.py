@@ -83,6 +83,8 @@ class Pair:
         sa = PeerSession(self.hub_a, left, Role.INITIATOR)
         sb = PeerSession(self.hub_b, right, Role.ACCEPTOR)
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.hub_a.run_timer)
+            nursery.start_soon(self.hub_b.run_timer)
             nursery.start_soon(sa.run)
             nursery.start_soon(sb.run)
 

@@ -73,6 +73,9 @@ async def test_three_nodes_agree_on_the_restore_point(
     a, b, c = _hub("a"), _hub("b"), _hub("c")
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.run_timer)
+            nursery.start_soon(b.run_timer)
+            nursery.start_soon(c.run_timer)
             _link(a, b, nursery)
             _link(a, c, nursery)
             _link(b, c, nursery)
@@ -92,6 +95,9 @@ async def test_a_relay_carries_records_between_nodes_that_are_not_linked(
     a, b, c = _hub("a"), _hub("b"), _hub("c")
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.run_timer)
+            nursery.start_soon(b.run_timer)
+            nursery.start_soon(c.run_timer)
             _link(a, b, nursery)
             _link(c, b, nursery)  # a - b - c: b relays
             for rank, hub in enumerate((a, b, c)):
@@ -106,6 +112,8 @@ async def test_a_peer_that_sends_garbage_is_closed_and_the_others_carry_on(
     a, b = _hub("a"), _hub("b")
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.run_timer)
+            nursery.start_soon(b.run_timer)
             rogue, theirs = trio.testing.memory_stream_pair()
             nursery.start_soon(PeerSession(b, theirs, Role.ACCEPTOR).run)
             await rogue.send_all(b"GET / HTTP/1.1\r\n\r\n")
@@ -126,6 +134,8 @@ async def test_a_closed_peer_ends_the_session_with_a_reason(
     a, b = _hub("a"), _hub("b")
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.run_timer)
+            nursery.start_soon(b.run_timer)
             session, theirs = _link(a, b, nursery)
             await _until(lambda: session.peer == "b")
             await theirs.close("maintenance")
@@ -141,6 +151,7 @@ async def test_a_silent_peer_is_declared_down_after_dead_ticks(
     a = _hub("a")
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.run_timer)
             ours, silent = trio.testing.memory_stream_pair()
             session = PeerSession(a, ours, Role.INITIATOR)
             nursery.start_soon(session.run)
@@ -172,6 +183,8 @@ async def test_the_dialler_backs_off_after_failures_and_redials_a_lost_link(
 
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.run_timer)
+            nursery.start_soon(b.run_timer)
             backoff = Backoff(initial=0.1, maximum=1.0, rng=random.Random(3))
             nursery.start_soon(lambda: dial_forever(a, Peer("b", "b.example", 1), connect=connect,
                                                     backoff=backoff))  # fmt: skip

@@ -247,6 +247,11 @@ class Link:
         """True once the link reached CLOSED (final)."""
         return self.state is S.CLOSED
 
+    @property
+    def has_output(self) -> bool:
+        """True when bytes or events wait to be taken (`data_to_send`, `next_event`)."""
+        return bool(self._out) or bool(self._events)
+
     def start(self) -> None:
         """Send our HELLO (call once the connection is up)."""
         self._fire(Ev.SEND_HELLO)

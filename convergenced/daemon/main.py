@@ -291,6 +291,7 @@ class Daemon:
             nursery.start_soon(self._watch_signals)
             nursery.start_soon(self._report_node_events)
             nursery.start_soon(r.commits.compact_when_due, r.snapshot)
+            nursery.start_soon(r.hub.run_timer)
             self._prime_metrics()
             self._serve_http(nursery, listeners.metrics)
             r.peers.start_dialers(nursery, cfg)

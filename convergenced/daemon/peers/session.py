@@ -1,14 +1,17 @@
 """Peer links over TCP: a thin trio adapter around the sans-IO `Link`.
 
-One `PeerSession` per connection. It owns three small tasks, as trio-websocket
-does: a reader (bytes in, `Link.receive_data`), a ticker (the link timer: heartbeat
-and failure detection, counted in ticks by the core), and a waker (the node's view
-changed elsewhere: `Link.poll`). Every path that may have produced bytes ends in
-`_flush`, which hands them to the session's gated output the moment they are taken
-from the link, waits until the log is durable up to the position they were tagged
-with, and sends what the gate releases, under one lock. So bytes produced while an
-earlier fsync runs wait for the next one: nothing leaves before the fsync that
-covers every fact it may reveal (`convergenced.core.gate`).
+One `PeerSession` per connection. It owns two small tasks, as trio-websocket
+does: a reader (bytes in, `Link.receive_data`) and a waker (the node's view changed
+elsewhere, or the timer produced a heartbeat: `Link.poll`). The link timer
+(heartbeat and failure detection, counted in ticks by the core) is one task per
+daemon, `PeerHub.run_timer`, not one per link: it ticks every link in turn and wakes
+only the sessions whose link has something to send, so an idle daemon with many
+links wakes once per tick instead of once per link per tick. Every path that may
+have produced bytes ends in `_flush`, which hands them to the session's gated output
+the moment they are taken from the link, waits until the log is durable up to the
+position they were tagged with, and sends what the gate releases, under one lock. So
+bytes produced while an earlier fsync runs wait for the next one: nothing leaves
+before the fsync that covers every fact it may reveal (`convergenced.core.gate`).
 
 A session that ends for any reason (closed, lost, cancelled, failed) tells its link
 the connection is gone, so the node never keeps counting a link that no longer
@@ -18,8 +21,9 @@ connection that ends before its HELLO was refused, and that is logged where it w
 (`Telemetry.peer_violation`, `Telemetry.connection_refused`, the dialer).
 
 `PeerHub` is what the sessions of one daemon share: the node, its gate and the way
-to wait for durability, the link settings, the telemetry, the live sessions, and
-the wake-up of every other session when one of them changed the view.
+to wait for durability, the link settings, the telemetry, the live sessions, the
+link timer, and the wake-up of every other session when one of them changed the
+view.
 """
 
 from __future__ import annotations
@@ -71,17 +75,36 @@ class PeerHub:
         self._changed = trio.Event()
 
     def view_changed(self, source: PeerSession | None = None) -> None:
-        """Wake every session but ``source`` so it can send the new records, and
-        everyone in `wait_changed`."""
+        """Let every session but ``source`` send the new records, and wake everyone in
+        `wait_changed`.
+
+        Each link is polled here, synchronously, and only a session whose link then
+        has something to send is woken: in a full mesh most changes (another origin's
+        record, which its own links carry) give most links nothing to send, and a
+        wake-up per link per change was most of a busy daemon's CPU. The bytes wait
+        in the link and are tagged when the session takes them, which is later than
+        when they were produced and therefore safe (`convergenced.core.gate`).
+        """
         for session in self.sessions:
             if session is not source:
-                session.wake()
+                session.poll()
         self._changed.set()
         self._changed = trio.Event()
 
     async def wait_changed(self) -> None:
         """Return after the next view change."""
         await self._changed.wait()
+
+    async def run_timer(self) -> None:
+        """The link timer of every session, forever: one tick each ``tick_seconds``.
+
+        Ticks are counted by the links (`Link.on_timer`), never read from a clock, so a
+        late wake-up only makes heartbeats and failure detection later, never wrong.
+        """
+        while True:
+            await trio.sleep(self.tick_seconds)
+            for session in list(self.sessions):
+                session.tick()
 
 
 class PeerSession:
@@ -127,6 +150,27 @@ class PeerSession:
         """Ask the session to `poll` its link soon."""
         self._wake.set()
 
+    def poll(self) -> None:
+        """Poll the link now; wake the session only when the link has something to
+        send or to report."""
+        if self._nursery is None or self.link.closed:
+            return
+        self.link.poll()
+        if self.link.has_output:
+            self.wake()
+
+    def tick(self) -> None:
+        """One timer tick (`PeerHub.run_timer`): the link's heartbeat and failure
+        detection, and the traffic counters brought up to date. The session is woken
+        only when the link has something to send or to report (a heartbeat, or its
+        own closing)."""
+        if self._nursery is None or self.link.closed:
+            return
+        self.link.on_timer()
+        self._report_traffic()
+        if self.link.has_output:
+            self.wake()
+
     async def run(self) -> str:
         """Drive the link until it closes; return why it closed."""
         self.hub.sessions.add(self)
@@ -136,13 +180,13 @@ class PeerSession:
                 self.link.start()
                 await self._flush()
                 nursery.start_soon(self._reader)
-                nursery.start_soon(self._ticker)
                 nursery.start_soon(self._waker)
                 if self.handshake_timeout is not None:
                     nursery.start_soon(self._handshake_deadline, self.handshake_timeout)
         finally:
             self.hub.sessions.discard(self)
             self.link.connection_lost(self.closed_reason or "session ended")
+            self._report_traffic()  # what the last ticks did not count yet
             self.closed_reason = self.closed_reason or "session ended"
             if self._up and self.peer is not None:
                 self.hub.telemetry.link_down(self.peer, self.address, self.closed_reason)
@@ -186,18 +230,12 @@ class PeerSession:
             self.link.close(str(err))
             await self._flush()
 
-    async def _ticker(self) -> None:
-        while not self.link.closed:
-            await trio.sleep(self.hub.tick_seconds)
-            self.link.on_timer()
-            await self._flush()
-
     async def _waker(self) -> None:
-        while not self.link.closed:
+        while True:
             await self._wake.wait()
             self._wake = trio.Event()
             self.link.poll()
-            await self._flush()
+            await self._flush()  # which ends the session once the link is closed
 
     # -- output -------------------------------------------------------------------
 
@@ -237,7 +275,6 @@ class PeerSession:
                     self.closed_reason = self.closed_reason or "connection lost"
             if self.link.state is LinkState.TICK_SENT and self.link.seq not in self._tick_sent_at:
                 self._tick_sent_at[self.link.seq] = trio.current_time()
-            self._report_traffic()
             if changed:
                 self.hub.view_changed(source=self)
             if self.link.closed:
