@@ -23,7 +23,7 @@ Same sample counts and pauses as ``bench_daemon.py``'s convergence section (3 ru
 
 The same workload then runs against convergenced daemons: ``convergenced_samples``
 mirrors ``bench_daemon.convergence_samples`` (real ``convergenced run`` processes from
-``tests/daemons.py``, mutual TLS, default 50 ms tick, one stream with every node a
+``tests/daemons.py``, mutual TLS, the daemon's default link timer, one stream with every node a
 member, ``wait(stream, e)`` on every node then every node commits e) and also records
 when each commit was sent. Both sides fsync every write (etcd its WAL, convergenced
 its write-ahead log).
@@ -498,7 +498,7 @@ def bench_convergenced(cfg: Config) -> list[Result]:
     rng = random.Random(7)
     out: list[Result] = []
     for n in cfg.nodes:
-        with bd.LocalCluster(n, tick_ms=50) as cluster:
+        with bd.LocalCluster(n, tick_ms=None, idle_ticks=None, dead_ticks=None) as cluster:
             cluster.start_all()
             out.append(trio.run(convergenced_samples, cluster, cfg, rng))
     return out

@@ -1,7 +1,7 @@
 """Footprint: what convergenced daemons cost a GPU host, idle and under load, at N = 16.
 
 N real ``convergenced run`` daemons on loopback (`tests.daemons.LocalCluster`: mutual
-TLS, signed records, the default 50 ms tick, as deployed), every pair linked (full mesh
+TLS, signed records, the default link timer, as deployed), every pair linked (full mesh
 below ``mesh_limit`` = 16). Two phases on one cluster:
 
 * **idle**: links up, no stream: heartbeats only;
@@ -188,7 +188,7 @@ async def _measure(cluster: bd.LocalCluster, cfg: Config) -> list[Phase]:
 
 def run(cfg: Config) -> list[Phase]:
     """One fresh cluster, idle then loaded."""
-    with bd.LocalCluster(cfg.nodes, tick_ms=50) as cluster:
+    with bd.LocalCluster(cfg.nodes, tick_ms=None, idle_ticks=None, dead_ticks=None) as cluster:
         cluster.start_all()
         return trio.run(_measure, cluster, cfg)
 
@@ -212,7 +212,7 @@ def render(phases: Sequence[Phase], cfg: Config) -> str:
     lag = max(load.restore_point_lag, default=0)
     lines += [
         "",
-        f"{cfg.nodes} daemons, full mesh, mutual TLS, 50 ms tick; each phase measured "
+        f"{cfg.nodes} daemons, full mesh, mutual TLS, default link timer; each phase measured "
         f"{cfg.span_s:g} s",
         f"load: {cfg.streams} streams x {cfg.nodes} members, every node commits the next "
         f"epoch of every stream every {cfg.interval_s:g} s",

@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="node K listens on P+K-1 (default 7946)",
     )
     cluster.add_argument("--cluster", default="local", help="cluster name (default local)")
-    cluster.add_argument("--tick-ms", type=int, default=50, help="link timer period")
+    cluster.add_argument("--tick-ms", type=int, default=None,
+                         help="link timer period in ms (default: the daemon's, 100)")  # fmt: skip
     cluster.add_argument(
         "--metrics-base-port",
         type=int,

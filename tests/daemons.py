@@ -55,8 +55,19 @@ class LocalCluster:
     """N daemon processes on loopback; use as a context manager."""
 
     def __init__(
-        self, nodes: int, *, tick_ms: int = 20, extra: str = "", insecure: bool = False
+        self,
+        nodes: int,
+        *,
+        tick_ms: int | None = 20,
+        idle_ticks: int | None = 4,
+        dead_ticks: int | None = 40,
+        extra: str = "",
+        insecure: bool = False,
     ) -> None:
+        """The link timer defaults to the tests' (a 20 ms tick, a heartbeat every 4 ticks
+        and a link down after 40, so failures show within a second); None for any of
+        them: the daemon's default (the benchmarks). ``extra``: top-level TOML lines
+        for every node."""
         self.n = nodes
         self.dir = Path(tempfile.mkdtemp(prefix="cvg-", dir="/tmp"))
         self.base_port = free_base_port(2 * nodes)
@@ -66,14 +77,17 @@ class LocalCluster:
             nodes,
             self.base_port,
             tick_ms=tick_ms,
+            idle_ticks=idle_ticks,
+            dead_ticks=dead_ticks,
             insecure=insecure,
             metrics_base_port=self.metrics_base_port,
         )
         if extra:  # top-level keys: they go before the first table
             for path in self.configs:
                 text = path.read_text()
-                head, sep, rest = text.partition(f"tick_ms = {tick_ms}\n")
-                path.write_text(head + sep + extra + "\n" + rest)
+                head, sep, rest = text.partition("\nstate_dir = ")
+                line, nl, rest = rest.partition("\n")
+                path.write_text(head + sep + line + nl + extra + "\n" + rest)
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self._clients: list[Client] = []
 

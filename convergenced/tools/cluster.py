@@ -97,7 +97,9 @@ def write_cluster(
     base_port: int,
     *,
     cluster: str = "local",
-    tick_ms: int = 50,
+    tick_ms: int | None = None,
+    idle_ticks: int | None = None,
+    dead_ticks: int | None = None,
     insecure: bool = False,
     metrics_base_port: int | None = 9464,
 ) -> list[Path]:
@@ -135,8 +137,11 @@ def write_cluster(
             f'listen = "127.0.0.1:{base_port + i - 1}"',
             f'socket_path = "{home / "convergenced.sock"}"',
             f'state_dir = "{home / "state"}"',
-            f"tick_ms = {tick_ms}",
         ]
+        # The link timer: the daemon's defaults unless given (tests use faster ones).
+        lines += [f"{key} = {value}" for key, value in
+                  (("tick_ms", tick_ms), ("idle_ticks", idle_ticks), ("dead_ticks", dead_ticks))
+                  if value is not None]  # fmt: skip
         if metrics_base_port is not None:
             lines.append(f'metrics_listen = "127.0.0.1:{metrics_base_port + i - 1}"')
         else:

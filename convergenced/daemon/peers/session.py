@@ -240,45 +240,56 @@ class PeerSession:
     # -- output -------------------------------------------------------------------
 
     async def _flush(self) -> None:
-        async with self._send_lock:
-            changed = False
-            while (ev := self.link.next_event()) is not None:
-                if isinstance(ev, RecordsMerged):
-                    changed = True
-                elif isinstance(ev, Closed):
-                    self.closed_reason = ev.reason
-                elif isinstance(ev, ExchangeDone):
-                    self._exchange_done(ev.seq)
-                elif isinstance(ev, Established):
-                    # A HELLO can settle a node unsure of its past (`core.lives`)
-                    # without merging a record: wake what waits for that too.
-                    changed = True
-                    self._up = True
-                    self.hub.telemetry.link_up(
-                        ev.peer, self.address, self.link.role.value, ev.incarnation
-                    )
-            # Tagged now, with every fact applied so far: see the module docstring.
-            self._out.send(self.link.data_to_send())
+        # Uncontended (nearly always), take the lock without a trip through the
+        # scheduler: `Lock.acquire` always yields, and a flush runs per frame.
+        try:
+            self._send_lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self._send_lock.acquire()
+        try:
+            await self._flush_locked()
+        finally:
+            self._send_lock.release()
+
+    async def _flush_locked(self) -> None:
+        changed = False
+        while (ev := self.link.next_event()) is not None:
+            if isinstance(ev, RecordsMerged):
+                changed = True
+            elif isinstance(ev, Closed):
+                self.closed_reason = ev.reason
+            elif isinstance(ev, ExchangeDone):
+                self._exchange_done(ev.seq)
+            elif isinstance(ev, Established):
+                # A HELLO can settle a node unsure of its past (`core.lives`)
+                # without merging a record: wake what waits for that too.
+                changed = True
+                self._up = True
+                self.hub.telemetry.link_up(
+                    ev.peer, self.address, self.link.role.value, ev.incarnation
+                )
+        # Tagged now, with every fact applied so far: see the module docstring.
+        self._out.send(self.link.data_to_send())
+        try:
+            await self.hub.durable(self._out.waiting_for)
+        except OSError as exc:
+            # The log failed: nothing may leave (the daemon is stopping).
+            self.closed_reason = f"write-ahead log failed: {exc}"
+            self._end()
+            return
+        data = b"".join(self._out.release())
+        if data:
             try:
-                await self.hub.durable(self._out.waiting_for)
-            except OSError as exc:
-                # The log failed: nothing may leave (the daemon is stopping).
-                self.closed_reason = f"write-ahead log failed: {exc}"
-                self._end()
-                return
-            data = b"".join(self._out.release())
-            if data:
-                try:
-                    await self.stream.send_all(data)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    self.link.connection_lost()
-                    self.closed_reason = self.closed_reason or "connection lost"
-            if self.link.state is LinkState.TICK_SENT and self.link.seq not in self._tick_sent_at:
-                self._tick_sent_at[self.link.seq] = trio.current_time()
-            if changed:
-                self.hub.view_changed(source=self)
-            if self.link.closed:
-                self._end()
+                await self.stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                self.link.connection_lost()
+                self.closed_reason = self.closed_reason or "connection lost"
+        if self.link.state is LinkState.TICK_SENT and self.link.seq not in self._tick_sent_at:
+            self._tick_sent_at[self.link.seq] = trio.current_time()
+        if changed:
+            self.hub.view_changed(source=self)
+        if self.link.closed:
+            self._end()
 
     def _end(self) -> None:
         if self._nursery is not None:
