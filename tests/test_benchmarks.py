@@ -92,6 +92,13 @@ def test_footprint_smoke(tmp_path: Path) -> None:
     _fragment(tmp_path, "footprint", "bench_footprint.py")
 
 
+def test_frames_smoke(tmp_path: Path) -> None:
+    data = _run("bench_frames.py", out=tmp_path)
+    assert data["floor_us"] > 0 and data["peer_us"] > 0
+    assert len(data["runs"]["peer_us"]) == 1
+    assert "peer path / floor" in _fragment(tmp_path, "frames", "bench_frames.py")
+
+
 def test_report_splices_fragments_between_markers_and_nothing_else() -> None:
     doc = (
         "# Title\nprose stays\n<!-- bench:etcd -->\nold table\n<!-- /bench:etcd -->\n"
@@ -108,7 +115,7 @@ def test_report_splices_fragments_between_markers_and_nothing_else() -> None:
 def test_benchmarks_md_has_a_marker_for_every_fragment_make_bench_writes() -> None:
     makefile = (REPO / "Makefile").read_text()
     doc = (REPO / "BENCHMARKS.md").read_text()
-    for name in ("etcd", "training", "training-drift", "localapi", "scale", "footprint"):
+    for name in ("etcd", "training", "training-drift", "localapi", "scale", "footprint", "frames"):
         assert f"<!-- bench:{name} -->" in doc and f"<!-- /bench:{name} -->" in doc, name
     for script in (
         "bench_etcd",
@@ -116,5 +123,6 @@ def test_benchmarks_md_has_a_marker_for_every_fragment_make_bench_writes() -> No
         "bench_daemon",
         "bench_scale",
         "bench_footprint",
+        "bench_frames",
     ):
         assert f"benchmarks/{script}.py" in makefile, script
