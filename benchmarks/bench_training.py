@@ -226,7 +226,7 @@ FULL = Config(
     seed=1,
 )
 QUICK = dataclasses.replace(
-    FULL, mode="quick", nodes=(2,), checkpoints=20, warmup=2, block=5, probes=100
+    FULL, mode="quick", nodes=(2,), checkpoints=10, warmup=1, block=5, probes=30
 )
 
 
