@@ -81,7 +81,7 @@ Usage::
         [--checkpoints C] [--shard-kib KIB] [--no-step-allreduce] [--seed S]
         [--out DIR]
 
-``--quick``: N = 2, 20 checkpoints per variant (< 30 s). ``--json`` also prints one
+``--quick``: N = 2, 10 checkpoints per variant (< 20 s). ``--json`` also prints one
 JSON object with every number as the last line. ``--out DIR`` writes
 ``DIR/training.md`` (command, description, tables, verdict) and ``DIR/training.png``
 (``training-drift.*`` with ``--no-step-allreduce``)
@@ -1352,7 +1352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         worker(json.loads(sys.stdin.read()))
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="N = 2, 20 checkpoints (< 30 s)")
+    parser.add_argument("--quick", action="store_true", help="N = 2, 10 checkpoints (< 20 s)")
     parser.add_argument("--json", action="store_true", help="print a JSON object last")
     parser.add_argument("--nodes", type=int, nargs="+", metavar="N", help="default 2 4 8")
     parser.add_argument(
