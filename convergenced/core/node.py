@@ -217,6 +217,39 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests):
         if name in self._streams:  # not after an undeclaration
             self._refresh(name)
 
+    def apply_many(self, facts: Iterable[Fact]) -> None:
+        """Apply facts in order, then re-evaluate each stream they touched once.
+
+        For facts that come together (the commits of one read from a local client):
+        each is checked and applied as `apply` would, but the streams are refreshed
+        (decision, high-water mark, our record: one version, one signature) once at
+        the end instead of after every fact, as `receive` does for a batch of
+        records and `replay` for the log. Unlike `apply`, the caller does not log
+        the facts: they come out of `take_pending_facts`, in order and ahead of the
+        facts the refresh produces, so the gate gives them their positions and
+        holds back what reveals them like any fact (`convergenced.core.gate`).
+
+        Raises:
+            FactError, SpecError, SpecConflictError: a fact was refused; the ones
+                before it are applied (and refreshed), it and the rest are not.
+        """
+        touched: dict[str, None] = {}
+        try:
+            for fact in facts:
+                # Pending before it is applied: an undeclared stream's Settled, which
+                # `_apply` may add, must come after its declaration.
+                at = len(self._pending_facts)
+                self._pending_facts.append(fact)
+                try:
+                    touched[self._apply(fact)] = None
+                except BaseException:
+                    del self._pending_facts[at]  # refused: nothing changed
+                    raise
+        finally:
+            for name in touched:
+                if name in self._streams:  # not after an undeclaration
+                    self._refresh(name)
+
     def replay(self, facts: Iterable[Fact]) -> None:
         """Rebuild state from the write-ahead log after a restart.
 
