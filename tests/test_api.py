@@ -212,3 +212,57 @@ def test_every_operation_of_the_codec_has_one_handler_and_a_kind() -> None:
     assert set(OPERATIONS) == set(codec.OPS)
     waits = {op for op, o in OPERATIONS.items() if o.kind is OpKind.WAIT}
     assert waits == {"wait", "restore_point", "next_generation", "watch"}
+
+
+@pytest.mark.parametrize(
+    ("request_map", "message"),
+    [
+        ({"id": True, "op": "status"}, "request.id: expected an integer, got bool"),
+        ({"id": 1, "op": ["commit"]}, "request.op: expected a string, got list"),
+        ({"id": 1, "op": "x" * 100}, "request.op: length 100 above 64"),
+        ({"id": 1, "op": "commit", "args": [1]}, "commit.args: expected a map, got list"),
+        ({"id": 1, "op": "commit", "args": {**_OK, "stream": [1]}}, "commit.stream: expected"),
+        ({"id": 1, "op": "commit", "args": {**_OK, "domain": "x" * 200}}, "commit.domain"),
+        ({"id": 1, "op": "commit", "args": {**_OK, "digest": 5}}, "commit.digest: expected"),
+        ({"id": 1, "op": "commit", "args": {**_OK, "size": -1}}, "commit.size: -1 is negative"),
+        ({"id": 1, "op": "state", "args": {"stream": "no name"}}, "state.stream"),
+    ],
+)
+def test_the_fast_checks_fall_back_to_the_errors_that_name_the_field(
+    request_map: dict[str, Any], message: str
+) -> None:
+    assert message in str(_bad(request_map))
+
+
+def test_names_are_checked_however_often_a_valid_one_came_before() -> None:
+    for _ in range(3):
+        _parse("commit", stream="job", rank=0, domain="nvme", epoch=1)
+    assert "commit.domain" in str(
+        _bad({"id": 1, "op": "commit", "args": {**_OK, "domain": "nvme\n"}})
+    )
+    for i in range(codec._MAX_NAMES + 10):  # the set of names seen stays bounded
+        _parse("state", stream=f"s{i}")
+    assert len(codec._NAMES) <= codec._MAX_NAMES
+
+
+def test_the_frame_encoder_gives_the_bytes_of_encode_frame() -> None:
+    encoder = codec.FrameEncoder()
+    messages: list[Any] = [
+        codec.ok(7, {"stream": "job", "epoch": 3, "durable": True}),
+        codec.request(1, "commit", stream="job", rank=0, domain="nvme", epoch=2, digest="", size=0),
+        {"id": 2, "ok": {"b": b"\x00\x01", "f": 1.5, "n": None, "l": [1, [2]]}},
+    ]
+    for message in messages:
+        assert encoder.encode(message) == codec.encode_frame(message)
+    with pytest.raises(TypeError):
+        encoder.encode({"bad": object()})
+    assert encoder.encode(messages[0]) == codec.encode_frame(messages[0])  # not left half-full
+
+
+def test_frames_after_a_leftover_and_frames_whole_in_one_read_come_out_the_same() -> None:
+    frames = [codec.encode_frame({"id": i, "op": "status"}) for i in range(6)]
+    reader = codec.FrameReader()
+    assert [m["id"] for m in reader.feed(b"".join(frames[:2]) + frames[2][:3])] == [0, 1]
+    assert reader.buffered == 3
+    assert [m["id"] for m in reader.feed(frames[2][3:] + b"".join(frames[3:]))] == [2, 3, 4, 5]
+    assert reader.buffered == 0
