@@ -11,6 +11,11 @@ backoff until the reconnect bound passes, declares again what the client declare
 awaits the reconnect hooks if the daemon's incarnation changed, and sends again every
 request still unanswered; calls made meanwhile wait. Time is trio's
 (``trio.current_time``), so tests drive it with ``trio.testing.MockClock``.
+
+Requests are queued on the connection and sent by one writer task, many at once
+(`convergenced.async_connection`); a call's reply is handed to it without a memory
+channel. A call made in a cancelled scope sends nothing; one cancelled after it was
+queued is sent whole, then cancelled on the daemon.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ from convergenced.core.spec import StreamSpec
 if TYPE_CHECKING:  # trio is only needed by AsyncClient users
     import trio
 
+    from convergenced.async_connection import Connection, ReplyBox
+
 __all__ = ["AsyncClient", "AsyncReconnectHook"]
 
 log = logging.getLogger("convergenced.client")
@@ -52,15 +59,17 @@ log = logging.getLogger("convergenced.client")
 AsyncReconnectHook = Callable[[Reconnected], Awaitable[None]]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Request:
     op: str
     args: dict[str, Any]
     internal: bool
     """Sent while the connection is restored, by the restoring task: never sent again."""
     deadline: float | None
-    send: Any  # trio.MemorySendChannel[Any]
-    stream: Any = None
+    box: ReplyBox | None
+    """Where the reply of a call goes (None: a watch, whose events go to ``send``)."""
+    send: Any = None  # trio.MemorySendChannel[Any], for a watch
+    stream: Connection | None = None
     """The connection it was last sent on."""
     lost: str = field(default="")
 
@@ -72,15 +81,18 @@ class AsyncClient:
         """Use `AsyncClient.connect`."""
         import trio
 
+        from convergenced import async_connection
+
         self._trio = trio
+        self._io = async_connection
         self.socket_path = socket_path
         self.reconnect = reconnect
         """The reconnect bound, in seconds (0: off)."""
         self._nursery = nursery
         self._ids = itertools.count(1)
         self._requests: dict[int, _Request] = {}
-        self._send_lock = trio.Lock()
-        self._stream: trio.SocketStream | None = None
+        self._stream: Connection | None = None
+        self._encoder = codec.FrameEncoder()
         self._restoring = False
         self._restorer: Any = None
         """The task restoring the connection: it alone may send meanwhile."""
@@ -130,7 +142,7 @@ class AsyncClient:
                 # so swallow) an exception raised in the block.
                 with trio.CancelScope(shield=True):
                     if client._stream is not None:
-                        await client._stream.aclose()
+                        await client._stream.stream.aclose()
                 nursery.cancel_scope.cancel()
         if raised is not None:
             raise raised
@@ -144,9 +156,11 @@ class AsyncClient:
         except OSError as exc:
             raise DaemonUnreachable(f"cannot reach the daemon at {path}: {exc}") from None
 
-    def _attach(self, stream: trio.SocketStream) -> None:
-        self._stream = stream
-        self._nursery.start_soon(self._read_loop, stream)
+    def _attach(self, stream: trio.SocketStream) -> Connection:
+        conn = self._stream = self._io.Connection(stream)
+        self._nursery.start_soon(self._read_loop, conn)
+        self._nursery.start_soon(conn.write_loop)
+        return conn
 
     def _notify(self) -> None:
         self._changed.set()
@@ -154,8 +168,9 @@ class AsyncClient:
 
     # -- the connection -------------------------------------------------------------------
 
-    async def _read_loop(self, stream: trio.SocketStream) -> None:
+    async def _read_loop(self, conn: Connection) -> None:
         trio = self._trio
+        stream = conn.stream
         reader = codec.FrameReader(MAX_REPLY_BYTES)
         why = "the daemon closed the connection"
         told: ApiError | None = None
@@ -165,44 +180,53 @@ class AsyncClient:
                 if not data:
                     break
                 for reply in reader.feed(data):
-                    if not isinstance(reply, Mapping):
+                    if type(reply) is not dict and not isinstance(reply, Mapping):
                         raise ApiError(ErrorKind.INTERNAL, "bad_reply", f"not a map: {reply!r}")
                     rid = reply.get("id")
                     if rid is None and "error" in reply:
                         told = codec.error_from_wire(reply["error"])
                         why = str(told)
-                    elif isinstance(rid, int):
-                        await self._deliver(rid, reply)
+                    elif isinstance(rid, int) and (watch := self._deliver(rid, reply)):
+                        # Watches may outpace their reader; the daemon bounds it too. A
+                        # closed channel: nobody waits for the events any more.
+                        with suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                            await watch.send(reply)
         except (trio.BrokenResourceError, trio.ClosedResourceError, ApiError) as exc:
             if told is None:
                 why = f"connection lost: {exc}"
         finally:
+            conn.close()
             with trio.CancelScope(shield=True):
                 await stream.aclose()
-        self._connection_lost(stream, why, told)
+        self._connection_lost(conn, why, told)
 
     def _retried(self, req: _Request) -> bool:
         return self.reconnect > 0 and not req.internal and req.op in RETRIED
 
-    async def _deliver(self, rid: int, reply: Mapping[str, Any]) -> None:
+    def _deliver(self, rid: int, reply: Mapping[str, Any]) -> Any:
+        """Hand ``reply`` to its call; for a watch, return the channel to send it on
+        (None otherwise). A call's reply costs the read loop no checkpoint."""
         req = self._requests.get(rid)
         if req is None:
-            return
+            return None
         if "event" not in reply:
             if going_away(reply) and self._retried(req):
-                return  # answered by the daemon's next life
+                return None  # answered by the daemon's next life
             del self._requests[rid]
-        # Watches may outpace their reader; the daemon bounds it too. A closed channel:
-        # nobody waits for the reply any more.
-        with suppress(self._trio.BrokenResourceError, self._trio.ClosedResourceError):
-            await req.send.send(reply)
+        if req.box is not None:
+            req.box.put(reply)
+            return None
+        return req.send
 
     def _fail(self, rid: int, req: _Request, why: str) -> None:
         self._requests.pop(rid, None)
         req.lost = why
-        req.send.close()
+        if req.box is not None:
+            req.box.close()
+        else:
+            req.send.close()
 
-    def _connection_lost(self, stream: Any, why: str, told: ApiError | None) -> None:
+    def _connection_lost(self, stream: Connection, why: str, told: ApiError | None) -> None:
         fatal = self.reconnect <= 0 or (told is not None and closes_for_good(told))
         for rid, req in list(self._requests.items()):
             if req.stream is stream and (fatal or not self._retried(req)):
@@ -249,9 +273,8 @@ class AsyncClient:
             await trio.sleep(pause)
 
     async def _restore(self, outage: Outage) -> None:
-        stream = await self._open_stream(self.socket_path)
+        stream = self._attach(await self._open_stream(self.socket_path))
         self._restoring, self._restorer = True, self._trio.lowlevel.current_task()
-        self._attach(stream)
         try:
             incarnation = (await self.call("status")).get("incarnation")
             for name, args in list(self._declared.items()):
@@ -277,13 +300,14 @@ class AsyncClient:
             self._restoring, self._restorer = False, None
             if self._stream is stream:
                 self._stream = None
+            stream.close()
             with self._trio.CancelScope(shield=True):
-                await stream.aclose()
+                await stream.stream.aclose()
             raise
         self._restoring, self._restorer = False, None
         for rid, req in list(self._requests.items()):
             if req.stream is not stream:
-                await self._transmit(rid, req, stream)
+                self._transmit(rid, req, stream)
         self._notify()
         log.warning(
             "reconnected to the daemon at %s after %.1f s (incarnation %s)",
@@ -292,17 +316,14 @@ class AsyncClient:
             incarnation,
         )
 
-    async def _transmit(self, rid: int, req: _Request, stream: Any) -> None:
+    def _transmit(self, rid: int, req: _Request, stream: Connection) -> None:
+        """Queue ``req`` on ``stream``; a failed send is left to the read loop, which
+        sees the connection end."""
         args = req.args
         if req.deadline is not None and req.stream is not None:  # sent before: time left
             args = {**args, "timeout": max(0.0, req.deadline - self._trio.current_time())}
         req.stream = stream
-        frame = codec.encode_frame(codec.request(rid, req.op, **args))
-        try:
-            async with self._send_lock:
-                await stream.send_all(frame)
-        except (self._trio.BrokenResourceError, self._trio.ClosedResourceError):
-            pass  # the reader sees the connection end
+        stream.send(self._encoder.encode(codec.request(rid, req.op, **args)))
 
     async def _ready(self) -> bool:
         """Wait for a connection; whether this is the restoring task's own request."""
@@ -322,21 +343,36 @@ class AsyncClient:
             waited_through = self._outages
             await self._changed.wait()
 
-    async def _open(self, op: str, args: dict[str, Any]) -> tuple[int, _Request, Any]:
+    async def _open(
+        self, op: str, args: dict[str, Any], *, watch: bool = False
+    ) -> tuple[int, _Request, Any]:
+        """Send a request; its reply comes in ``req.box`` (a watch: on the channel
+        returned, else None)."""
         trio = self._trio
+        await trio.lowlevel.checkpoint_if_cancelled()  # a cancelled call sends nothing
         internal = await self._ready()
         deadline = None
         timeout = args.get("timeout") if op in TIMED else None
         if isinstance(timeout, int | float) and not isinstance(timeout, bool):
             deadline = trio.current_time() + timeout
-        send, recv = trio.open_memory_channel[Any](64)
         rid = next(self._ids)
-        req = _Request(op, args, internal, deadline, send)
+        recv = None
+        if watch:
+            send, recv = trio.open_memory_channel[Any](64)
+            req = _Request(op, args, internal, deadline, None, send)
+        else:
+            req = _Request(op, args, internal, deadline, self._io.ReplyBox())
         self._requests[rid] = req
-        await self._transmit(rid, req, self._stream)
+        assert self._stream is not None  # _ready: connected
+        self._transmit(rid, req, self._stream)
         return rid, req, recv
 
     async def _next(self, req: _Request, recv: Any) -> Any:
+        if req.box is not None:
+            reply = await req.box.get()
+            if reply is None:
+                raise DaemonUnreachable(req.lost or self._lost or "connection lost")
+            return reply
         try:
             return await recv.receive()
         except self._trio.EndOfChannel:
@@ -361,20 +397,15 @@ class AsyncClient:
         finally:
             self._requests.pop(rid, None)
             if not answered:
-                await self._send_cancel(rid, req)
+                self._send_cancel(rid, req)
 
-    async def _send_cancel(self, rid: int, req: _Request) -> None:
-        # Fire and forget: the reply to the cancel has no taker.
+    def _send_cancel(self, rid: int, req: _Request) -> None:
+        # Fire and forget: the reply to the cancel has no taker. Queued after the
+        # request itself, so the daemon always sees the request first.
         stream = self._stream
         if stream is None or req.stream is not stream:
             return
-        frame = codec.encode_frame(codec.request(next(self._ids), "cancel", target=rid))
-        with self._trio.CancelScope(shield=True):
-            try:
-                async with self._send_lock:
-                    await stream.send_all(frame)
-            except (self._trio.BrokenResourceError, self._trio.ClosedResourceError):
-                pass
+        stream.send(self._encoder.encode(codec.request(next(self._ids), "cancel", target=rid)))
 
     def add_reconnect_hook(self, hook: AsyncReconnectHook) -> None:
         """Await ``hook`` after each reconnect to a daemon of another incarnation than
@@ -464,12 +495,12 @@ class AsyncClient:
         After a reconnect the watch is subscribed again; an event equal to the last one
         is skipped.
         """
-        rid, req, recv = await self._open("watch", {"stream": stream})
+        rid, req, recv = await self._open("watch", {"stream": stream}, watch=True)
         try:
             yield _Events(self, req, recv)
         finally:
             self._requests.pop(rid, None)
-            await self._send_cancel(rid, req)
+            self._send_cancel(rid, req)
 
 
 class _Events:

@@ -275,3 +275,46 @@ async def test_an_exception_in_the_client_block_is_not_swallowed(
                     await c.status()
                     raise KeyError("from the block")
             nursery.cancel_scope.cancel()
+
+
+async def test_calls_on_one_connection_share_writes_and_a_cancelled_one_cuts_no_frame(
+    autojump_clock: trio.testing.MockClock, sock_path: Path
+) -> None:
+    # Frames are queued and one writer task sends what is queued in one write, so a
+    # caller cancelled at any point leaves every frame whole, its cancel after it.
+    with trio.fail_after(100):
+        async with trio.open_nursery() as nursery:
+            slow: list[int] = []
+
+            def answer(daemon: Daemon, op: str, args: dict[str, Any]) -> Any:
+                if args.get("epoch", 0) % 3 == 0:
+                    slow.append(args["epoch"])
+                    return SILENT  # never answered: its caller is cancelled
+                return acknowledge(daemon, op, args)
+
+            daemon = Daemon(sock_path, nursery, answer)
+            await daemon.start()
+            async with AsyncClient.connect(sock_path, reconnect=0) as c:
+                acks: list[int] = []
+
+                async def commit(epoch: int) -> None:
+                    with trio.move_on_after(0.01 * (epoch % 5)):
+                        acks.append((await c.commit("job", 0, "nvme", epoch))["epoch"])
+
+                async with trio.open_nursery() as callers:
+                    for epoch in range(1, 301):
+                        callers.start_soon(commit, epoch)
+                assert (await c.status())["incarnation"] == 1  # the stream is whole
+            seen = daemon.connections[0]
+            commits = [a["epoch"] for op, a in seen if op == "commit"]
+            # Each once and none cut, but those cancelled before their first
+            # checkpoint (a zero timeout), which are not sent at all.
+            assert sorted(commits) == [e for e in range(1, 301) if e % 5]
+            assert sorted(acks) == [e for e in range(1, 301) if e % 3 and e % 5]
+            # Ids are given in the order requests are queued, so the n-th frame the
+            # daemon read has id n: every cancel comes after the request it cancels.
+            for n, (op, a) in enumerate(seen, start=1):
+                if op == "cancel":
+                    assert seen[a["target"] - 1][0] == "commit" and a["target"] < n
+            assert sum(op == "cancel" for op, _ in seen) == len(slow)
+            nursery.cancel_scope.cancel()
