@@ -5,9 +5,10 @@ kind and its handler; a test holds the two lists to each other. The kind says ho
 a session runs it:
 
 * ``FACT`` (declare, commit, retract, retire): applied inline by the session's
-  reader, in arrival order, through `Admission`; its reply is queued at once and
-  the output gate holds it until the fact is durable, so one fsync acknowledges a
-  whole read's worth of facts;
+  reader, in arrival order, through `Admission` (commits together, the reads of
+  one scheduling round at once: `submit_commits`, `batching`); its reply is queued
+  at once and the output gate holds it until the fact is durable, so one fsync
+  acknowledges a whole read's worth of facts;
 * ``READ`` (status, streams, state): a task of its own; the reply shows the state
   at that instant and, like every reply, waits for the fsync of anything it may
   reveal;
@@ -23,7 +24,7 @@ result map, or raise `ApiError`.
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -33,7 +34,7 @@ import trio
 from convergenced.core import local_api_codec as codec
 from convergenced.core.admission import Admission, rejected
 from convergenced.core.errors import FactError
-from convergenced.core.facts import Declare, Fact
+from convergenced.core.facts import Commit, Declare, Fact
 from convergenced.core.local_api_codec import ApiError, ErrorKind
 from convergenced.core.node import NodeCore
 from convergenced.daemon.localapi.watches import Snapshot, StreamFeed
@@ -90,10 +91,7 @@ class LocalOperations:
         try:
             admitted = self.admission.submit(fact, allow_unknown_members=allow_unknown_members)
         except ApiError:
-            stream = getattr(fact, "stream", None)
-            declared = stream in self.node.streams()
-            domains = self.node.spec(stream).policy.domains if declared and stream else ()
-            self.telemetry.fact_refused(fact, domains)
+            self._refused(fact)
             if isinstance(fact, Declare):
                 self.hub.view_changed()  # a refused one may leave a notice (NodeCore.refused)
             raise
@@ -103,6 +101,35 @@ class LocalOperations:
             self.telemetry.fact_applied(fact)
             self.hub.view_changed()
         return admitted.reply
+
+    def submit_commits(self, commits: Sequence[Commit]) -> list[dict[str, Any] | ApiError]:
+        """`submit` each of ``commits`` in turn, applied together
+        (`Admission.submit_commits`): the reply of each, or its ``rejected`` error.
+
+        The stream is refreshed once for the lot, and the peers woken once.
+        """
+        results: list[dict[str, Any] | ApiError] = []
+        applied = False
+        for fact, outcome in zip(commits, self.admission.submit_commits(commits), strict=True):
+            if isinstance(outcome, ApiError):
+                self._refused(fact)
+                results.append(outcome)
+                continue
+            if outcome.repeat:
+                self.telemetry.fact_repeated(fact)
+            else:
+                self.telemetry.fact_applied(fact)
+                applied = True
+            results.append(outcome.reply)
+        if applied:
+            self.hub.view_changed()
+        return results
+
+    def _refused(self, fact: Fact) -> None:
+        stream = getattr(fact, "stream", None)
+        declared = stream in self.node.streams()
+        domains = self.node.spec(stream).policy.domains if declared and stream else ()
+        self.telemetry.fact_refused(fact, domains)
 
     async def durable(self) -> None:
         """Wait until everything applied so far is on disk.

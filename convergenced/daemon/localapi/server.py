@@ -31,6 +31,7 @@ from convergenced.core.gate import OutputGate
 from convergenced.core.local_api_codec import ApiError, ErrorKind
 from convergenced.daemon.config import Limits
 from convergenced.daemon.localapi import peercred
+from convergenced.daemon.localapi.batching import CommitBatcher
 from convergenced.daemon.localapi.descriptors import REFUSING
 from convergenced.daemon.localapi.operations import LocalOperations
 from convergenced.daemon.localapi.session import ClientSession
@@ -66,6 +67,8 @@ class LocalApiServer:
         self._refusing = 0
         self.heavy_frames = trio.Lock()
         """Large frames are decoded one at a time across sessions (see `session`)."""
+        self.batcher = CommitBatcher(operations)
+        """Every session's commits of a scheduling round are applied together."""
 
     def check_peer(self, stream: trio.SocketStream) -> ApiError | None:
         """None when the connected process may use the daemon, else the error to send."""
@@ -113,7 +116,8 @@ class LocalApiServer:
             return
         session = ClientSession(stream, self.operations, self.gate, self.durable,
                                 limits=self.limits, telemetry=self.telemetry,
-                                heavy_frames=self.heavy_frames)  # fmt: skip
+                                heavy_frames=self.heavy_frames,
+                                batcher=self.batcher)  # fmt: skip
         self.sessions.add(session)
         try:
             await session.run()

@@ -1,7 +1,9 @@
 """One connected client process: a reader, a writer, and every reply through the gate.
 
 The reader runs facts and reads inline, in the order they arrive (see
-`operations`); waits get a task each, at most ``limits.client_queue`` at a time.
+`operations`); consecutive commits are applied together, with those other sessions
+read in the same scheduling round (`batching`), before anything after them is
+served. Waits get a task each, at most ``limits.client_queue`` at a time.
 Every reply, error replies included, is queued on the session's gated output the
 moment it is made, so it leaves only once every fact it may reveal is durable: a
 refusal that only makes sense given an earlier declaration of the same read waits
@@ -47,6 +49,7 @@ from convergenced.core import local_api_codec as codec
 from convergenced.core.gate import OutputGate
 from convergenced.core.local_api_codec import ApiError, ErrorKind, Request
 from convergenced.daemon.config import Limits
+from convergenced.daemon.localapi.batching import CommitBatcher
 from convergenced.daemon.localapi.operations import (
     OPERATIONS,
     LocalOperations,
@@ -78,9 +81,11 @@ class ClientSession:
         limits: Limits,
         telemetry: Telemetry,
         heavy_frames: trio.Lock | None = None,
+        batcher: CommitBatcher | None = None,
     ) -> None:
         """``heavy_frames``: the lock large frames are decoded under, shared by every
-        session of the daemon (see the module docstring)."""
+        session of the daemon (see the module docstring); ``batcher``: where commits
+        are applied, shared too (`batching`)."""
         self.stream = stream
         self.operations = operations
         self.limits = limits
@@ -99,6 +104,7 @@ class ClientSession:
         self._reading_done = False
         self._draining = False
         self._heavy = heavy_frames if heavy_frames is not None else trio.Lock()
+        self._batcher = batcher if batcher is not None else CommitBatcher(operations)
         self._hung_up = False
         """The connection ended, or the daemon hung up on it: waits end unanswered."""
 
@@ -171,30 +177,49 @@ class ClientSession:
 
     async def _serve(self, reader: codec.FrameReader, bodies: list[bytes]) -> None:
         """Decode, parse and dispatch ``bodies`` in order, up to one the stream
-        cannot go on after (its error is then in ``reader.failed``)."""
-        unchecked = 0
-        for body in bodies:
-            try:
-                if len(body) > HEAVY_FRAME_BYTES:
-                    async with self._heavy:
-                        began = trio.current_time()
-                        req = self._parse(reader, body)
-                        # As long again for everyone else before the next large frame:
-                        # large frames get at most half of the event loop.
-                        await trio.sleep(trio.current_time() - began)
-                else:
-                    if unchecked > SLICE_BYTES:
-                        await trio.lowlevel.checkpoint()
-                        unchecked = 0
-                    unchecked += len(body)
-                    req = self._parse(reader, body)
-            except ApiError:
-                return  # undecodable: in ``reader.failed``, answered by the reader loop
-            if req is not None:
-                await self._dispatch(req)
+        cannot go on after (its error is then in ``reader.failed``).
 
-    def _parse(self, reader: codec.FrameReader, body: bytes) -> Request | None:
-        """The request in ``body``; None when it was malformed (and answered).
+        Consecutive commits are applied together, with those of other sessions
+        (`batching`), before anything after them is served; replies keep the
+        order of the requests.
+        """
+        unchecked = 0
+        commits: list[Request] = []
+        try:
+            for body in bodies:
+                try:
+                    if len(body) > HEAVY_FRAME_BYTES:
+                        await self._commit(commits)
+                        async with self._heavy:
+                            began = trio.current_time()
+                            req = self._parse(reader, body)
+                            # As long again for everyone else before the next large
+                            # frame: large frames get at most half of the event loop.
+                            await trio.sleep(trio.current_time() - began)
+                    else:
+                        if unchecked > SLICE_BYTES:
+                            await self._commit(commits)
+                            await trio.lowlevel.checkpoint()
+                            unchecked = 0
+                        unchecked += len(body)
+                        req = self._parse(reader, body)
+                except ApiError:
+                    return  # undecodable: in ``reader.failed``, answered by the reader loop
+                if type(req) is Request:
+                    if req.op == "commit" and not self._draining and req.id not in self._inflight:
+                        commits.append(req)
+                        continue
+                    await self._commit(commits)
+                    await self._dispatch(req)
+                else:
+                    await self._commit(commits)
+                    assert isinstance(req, ApiError)
+                    self._fail(req.request_id, req)
+        finally:
+            await self._commit(commits)  # shielded: read, so applied and answered
+
+    def _parse(self, reader: codec.FrameReader, body: bytes) -> Request | ApiError:
+        """The request in ``body``, or the error to answer when it is malformed.
 
         Raises:
             ApiError: the body is undecodable, which ends the stream.
@@ -203,8 +228,21 @@ class ClientSession:
         try:
             return codec.parse_request(obj)
         except ApiError as err:
-            self._fail(err.request_id, err)
-            return None
+            return err
+
+    async def _commit(self, commits: list[Request]) -> None:
+        """Apply ``commits`` (with other sessions' of this round: `batching`) and
+        queue their replies, in order; empties the list."""
+        if not commits:
+            return
+        run = list(commits)
+        commits.clear()
+        outcomes = await self._batcher.submit([req.args["fact"] for req in run])
+        for req, outcome in zip(run, outcomes, strict=True):
+            if isinstance(outcome, ApiError):
+                self._fail(req.id, outcome)
+            else:
+                self._reply(codec.ok(req.id, outcome))
 
     async def _dispatch(self, req: Request) -> None:
         if req.id in self._inflight:
