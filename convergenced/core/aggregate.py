@@ -41,6 +41,11 @@ class Summary:
         return _ABSENT
 
     @staticmethod
+    def neutral() -> Summary:
+        """The leaf that changes no aggregate: no member at all."""
+        return _EMPTY
+
+    @staticmethod
     def of_member(
         recoverable: IntervalSet,
         proposal: int | None,
@@ -56,36 +61,31 @@ _ABSENT = Summary(1, None, None, None, None, None)
 _EMPTY = Summary(0, None, None, None, None, None)  # padding leaves: neutral element
 
 
-def _min(a: int | None, b: int | None) -> int | None:
-    return None if a is None or b is None else min(a, b)
-
-
-def _min_known(a: int | None, b: int | None) -> int | None:
-    return b if a is None else a if b is None else min(a, b)
-
-
 def _combine(a: Summary, b: Summary) -> Summary:
     if a is _EMPTY:
         return b
     if b is _EMPTY:
         return a
-    rec = None
-    if a.recoverable is not None and b.recoverable is not None:
-        rec = a.recoverable & b.recoverable
-    if a.max_high_water is None:
-        hw = b.max_high_water
-    elif b.max_high_water is None:
-        hw = a.max_high_water
-    else:
-        hw = max(a.max_high_water, b.max_high_water)
+    ra, rb = a.recoverable, b.recoverable
+    rec = None if ra is None or rb is None else ra if ra is rb else ra & rb
+    ha, hb = a.max_high_water, b.max_high_water
+    pa, pb = a.min_proposal, b.min_proposal
+    sa, sb = a.min_restore_point, b.min_restore_point
+    qa, qb = a.min_portable, b.min_portable
     return Summary(
         a.missing + b.missing,
         rec,
-        _min(a.min_proposal, b.min_proposal),
-        _min(a.min_restore_point, b.min_restore_point),
-        hw,
-        _min_known(a.min_portable, b.min_portable),
+        None if pa is None or pb is None else pa if pa < pb else pb,
+        None if sa is None or sb is None else sa if sa < sb else sb,
+        hb if ha is None else ha if hb is None or ha > hb else hb,
+        qb if qa is None else qa if qb is None or qa < qb else qb,
     )
+
+
+def combine(a: Summary, b: Summary) -> Summary:
+    """The aggregate of two disjoint groups of members (commutative, associative,
+    with `Summary.neutral` as its neutral element)."""
+    return _combine(a, b)
 
 
 class MemberAggregate:
@@ -110,32 +110,42 @@ class MemberAggregate:
         """Replace ``member``'s leaf and update the path to the root."""
         i = self._size + self._index[member]
         tree = self._tree
-        if tree[i] == leaf:
+        if tree[i] is leaf or tree[i] == leaf:
             return
         tree[i] = leaf
         i //= 2
         while i:
-            tree[i] = _combine(tree[2 * i], tree[2 * i + 1])
+            node = _combine(tree[2 * i], tree[2 * i + 1])
+            if node == tree[i]:
+                return  # nothing above changes either
+            tree[i] = node
             i //= 2
 
     def set_many(self, leaves: list[tuple[str, Summary]]) -> None:
         """Replace many leaves, then recompute each touched inner node once.
 
-        For k updates this costs O(k + k log(N/k)) combines instead of k log N.
+        For k updates this costs O(k + k log(N/k)) combines instead of k log N (and
+        stops below the root where an inner node comes out as it was).
         """
+        if len(leaves) == 1:
+            self.set(*leaves[0])
+            return
         tree = self._tree
         dirty: set[int] = set()
         for member, leaf in leaves:
             i = self._size + self._index[member]
-            if tree[i] != leaf:
+            old = tree[i]
+            if old is not leaf and old != leaf:
                 tree[i] = leaf
                 dirty.add(i // 2)
         while dirty and 0 not in dirty:
             parents: set[int] = set()
             for i in sorted(dirty):
-                tree[i] = _combine(tree[2 * i], tree[2 * i + 1])
-                if i > 1:
-                    parents.add(i // 2)
+                node = _combine(tree[2 * i], tree[2 * i + 1])
+                if node != tree[i]:
+                    tree[i] = node
+                    if i > 1:
+                        parents.add(i // 2)
             dirty = parents
 
     def leaf(self, member: str) -> Summary:

@@ -35,7 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import IntEnum
 
-from convergenced.core.aggregate import MemberAggregate, Summary
+from convergenced.core.aggregate import MemberAggregate, Summary, combine
 from convergenced.core.interval_set import IntervalSet
 from convergenced.core.records import UNDECLARED, Record
 from convergenced.core.spec import PolicyMode, StreamSpec
@@ -75,7 +75,12 @@ class StreamAgreement:
         self.me = me
         self.digest = spec.digest
         self.members = frozenset(spec.member_ids)
+        # The tree holds the other members; our own leaf, which every evaluation
+        # replaces (three times), is kept beside it and combined with its root.
         self.aggregate = MemberAggregate(spec.member_ids)
+        self._mine = Summary.absent() if me in self.members else Summary.neutral()
+        if me in self.members:
+            self.aggregate.set(me, Summary.neutral())
         self.conflicts: dict[str, bytes] = {}
         self.fresh_from: dict[str, tuple[int, int]] = {}
         """Per member, the oldest record stamp we may use (see `facts.HighWater`)."""
@@ -150,19 +155,17 @@ class StreamAgreement:
     ) -> Decision:
         """Evaluate the rules with our own fresh recoverable set (and ``newest`` epoch
         per domain, for the portable cap of the GC horizon)."""
-        agg = self.aggregate
+        others = self.aggregate.root
         portable = self.portable(newest)
-        agg.set(
-            self.me,
+        root = combine(
             Summary.of_member(recoverable, previous_proposal, previous_rp, high_water, portable),
+            others,
         )
-        root = agg.root
         ci = root.recoverable if root.missing == 0 and not self.conflicts else None
         proposal = ci.max() if ci is not None else None
-        agg.set(
-            self.me, Summary.of_member(recoverable, proposal, previous_rp, high_water, portable)
+        root = combine(
+            Summary.of_member(recoverable, proposal, previous_rp, high_water, portable), others
         )
-        root = agg.root
 
         best = None
         if ci is not None and root.min_proposal is not None:
@@ -183,8 +186,8 @@ class StreamAgreement:
         new_hw = high_water
         if rp is not None and (high_water is None or rp > high_water):
             new_hw = rp
-        agg.set(self.me, Summary.of_member(recoverable, proposal, rp, new_hw, portable))
-        root = agg.root
+        self._mine = Summary.of_member(recoverable, proposal, rp, new_hw, portable)
+        root = combine(self._mine, others)
 
         if ci is None:
             knowledge = Knowledge.INCOMPLETE
@@ -198,7 +201,7 @@ class StreamAgreement:
 
     def gc_horizon(self) -> int | None:
         """Epochs below this are safe to delete (minus frozen sets); None: nothing is."""
-        root = self.aggregate.root
+        root = combine(self._mine, self.aggregate.root)
         if root.missing or self.conflicts or root.min_restore_point is None:
             return None
         horizon = root.min_restore_point

@@ -45,6 +45,26 @@ def _no_duplicate_keys(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
     return out
 
 
+def strict_unpacker(limits: UnpackLimits, size: int) -> msgpack.Unpacker:
+    """A streaming unpacker with `unpack_strict`'s settings, for ``size`` bytes fed at
+    once. Its `unpack` decodes as strictly as `unpack_strict`; its ``read_*_header``
+    and ``skip`` check no limit (a caller that skips must decode what it skipped with
+    `unpack_strict` before trusting it)."""
+    return msgpack.Unpacker(
+        None,
+        raw=False,
+        strict_map_key=True,
+        use_list=True,
+        object_pairs_hook=_no_duplicate_keys,
+        max_buffer_size=max(size, 1),
+        max_str_len=limits.max_str,
+        max_bin_len=limits.max_bin,
+        max_array_len=limits.max_array,
+        max_map_len=limits.max_map,
+        max_ext_len=0,
+    )
+
+
 def unpack_strict(body: bytes, limits: UnpackLimits) -> Any:
     """Decode exactly one msgpack object from ``body`` within ``limits``.
 

@@ -20,6 +20,7 @@ signature travels beside the body and is not part of the fingerprint.
 from __future__ import annotations
 
 import hashlib
+from bisect import bisect_right
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,16 +81,17 @@ class Record:
     signature: bytes = b""
     _fingerprint: bytes = field(default=b"", compare=False, repr=False)
     _packed: bytes = field(default=b"", compare=False, repr=False)
+    key: RecordKey = field(init=False, compare=False, repr=False)
+    """The merge key: (stream, origin)."""
+    stamp: tuple[int, int] = field(init=False, compare=False, repr=False)
+    """(incarnation, version): what merge compares first."""
 
-    @property
-    def key(self) -> RecordKey:
-        """The merge key: (stream, origin)."""
-        return (self.stream, self.origin)
-
-    @property
-    def stamp(self) -> tuple[int, int]:
-        """(incarnation, version): what merge compares first."""
-        return (self.incarnation, self.version)
+    def __post_init__(self) -> None:
+        # Built once, not at every use: links and views look records up by key and
+        # compare stamps many times per record, and the tuples are shared by every
+        # dict that keeps them (a view, a link's known stamps) instead of copied.
+        self.key = (self.stream, self.origin)
+        self.stamp = (self.incarnation, self.version)
 
     def body(self) -> list[Any]:
         """The canonical body as a msgpack-ready list (what is signed)."""
@@ -210,7 +212,8 @@ _I64 = 2**63 - 1
 _GOOD_NAMES: set[str] = set()
 
 
-def _name_ok(value: Any) -> bool:
+def name_ok(value: Any) -> bool:
+    """Whether ``value`` is a valid name (`validate.NAME_RE`), remembering good ones."""
     if type(value) is not str:
         return False
     if value in _GOOD_NAMES:
@@ -252,7 +255,7 @@ def _from_wire_fast(obj: Any) -> Record | None:
     if type(obj) is not list or len(obj) != 13:
         return None
     stream, origin, inc, ver, sd, rec, newest_raw, prop, rp, hw, gens_raw, ms, sig = obj
-    if not (_name_ok(stream) and _name_ok(origin)):
+    if not (name_ok(stream) and name_ok(origin)):
         return None
     if type(inc) is not int or type(ver) is not int or not (0 <= inc <= _I64 and 0 <= ver <= _I64):
         return None
@@ -269,7 +272,7 @@ def _from_wire_fast(obj: Any) -> Record | None:
         if type(pair) is not list or len(pair) != 2:
             return None
         d, e = pair
-        if not _name_ok(d) or type(e) is not int or not 0 <= e <= _I64 or (newest and d <= prev):
+        if not name_ok(d) or type(e) is not int or not 0 <= e <= _I64 or (newest and d <= prev):
             return None
         prev = d
         newest.append((d, e))
@@ -329,16 +332,18 @@ class View:
     `merge` is the only way records enter, and it is a semilattice join.
     """
 
-    __slots__ = ("_by_stream", "_digest", "_log", "_records", "_seq")
+    __slots__ = ("_by_stream", "_digest", "_log_keys", "_log_seqs", "_records", "_seq")
 
     def __init__(self) -> None:
         self._records: dict[RecordKey, Record] = {}
         self._by_stream: dict[str, dict[str, Record]] = {}
         self._digest = 0
-        # Change log: (sequence number, key) per accepted merge, so each link can ask
-        # "what changed since I last sent" without scanning the whole view.
+        # Change log: the sequence number and key of each accepted merge, in two
+        # parallel lists (searched and sliced in C), so each link can ask "what
+        # changed since I last sent" without scanning the whole view.
         self._seq = 0
-        self._log: list[tuple[int, RecordKey]] = []
+        self._log_seqs: list[int] = []
+        self._log_keys: list[RecordKey] = []
 
     def __len__(self) -> int:
         return len(self._records)
@@ -372,17 +377,22 @@ class View:
 
     def merge(self, record: Record) -> bool:
         """Keep ``record`` if it supersedes what we hold; return True if it did."""
-        old = self._records.get(record.key)
-        if old is not None and not record.supersedes(old):
-            return False
+        key = record.key
+        old = self._records.get(key)
         if old is not None:
+            if not record.supersedes(old):
+                return False
             self._digest ^= int.from_bytes(old.fingerprint, "big")
         self._digest ^= int.from_bytes(record.fingerprint, "big")
-        self._records[record.key] = record
-        self._by_stream.setdefault(record.stream, {})[record.origin] = record
+        self._records[key] = record
+        by_origin = self._by_stream.get(record.stream)
+        if by_origin is None:
+            by_origin = self._by_stream[record.stream] = {}
+        by_origin[record.origin] = record
         self._seq += 1
-        self._log.append((self._seq, record.key))
-        if len(self._log) > 2 * len(self._records) + 64:
+        self._log_seqs.append(self._seq)
+        self._log_keys.append(key)
+        if len(self._log_keys) > 2 * len(self._records) + 64:
             self._compact_log()
         return True
 
@@ -393,15 +403,8 @@ class View:
 
     def changed_since(self, seq: int) -> list[Record]:
         """Current records of the keys changed after sequence number ``seq``."""
-        lo, hi = 0, len(self._log)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if self._log[mid][0] <= seq:
-                lo = mid + 1
-            else:
-                hi = mid
-        keys = dict.fromkeys(k for _, k in self._log[lo:])
-        return [self._records[k] for k in keys]
+        keys = dict.fromkeys(self._log_keys[bisect_right(self._log_seqs, seq) :])
+        return list(map(self._records.__getitem__, keys))
 
     def any_changed_since(
         self,
@@ -415,25 +418,26 @@ class View:
         Scans lazily from the newest change backwards and stops at the first hit, so
         a link that has not sent for a while does not copy the whole log slice.
         """
-        log = self._log
+        seqs, keys = self._log_seqs, self._log_keys
         records = self._records
-        for i in range(len(log) - 1, -1, -1):
-            s, key = log[i]
-            if s <= seq:
+        for i in range(len(keys) - 1, -1, -1):
+            if seqs[i] <= seq:
                 return False
+            key = keys[i]
             if key[1] in skip_origins:
                 continue
-            rec = records[key]
             stamp = known.get(key)
-            if stamp is None or rec.stamp > stamp:
+            if stamp is None or records[key].stamp > stamp:
                 return True
         return False
 
     def _compact_log(self) -> None:
         latest: dict[RecordKey, int] = {}
-        for s, k in self._log:
+        for s, k in zip(self._log_seqs, self._log_keys, strict=True):
             latest[k] = s
-        self._log = sorted((s, k) for k, s in latest.items())
+        log = sorted((s, k) for k, s in latest.items())
+        self._log_seqs = [s for s, _ in log]
+        self._log_keys = [k for _, k in log]
 
     def merge_all(self, records: Iterable[Record]) -> list[Record]:
         """Merge many; return the records that were kept."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import msgpack
 
@@ -37,9 +37,16 @@ from convergenced.core.messages import (
     Tick,
     Tock,
 )
-from convergenced.core.packing import UnpackError, UnpackLimits, pack, unpack_strict
-from convergenced.core.records import DIGEST_LEN, Record
+from convergenced.core.packing import (
+    UnpackError,
+    UnpackLimits,
+    pack,
+    strict_unpacker,
+    unpack_strict,
+)
+from convergenced.core.records import DIGEST_LEN, Record, name_ok
 from convergenced.core.validate import (
+    INT64_MAX,
     as_bool,
     as_bytes,
     as_int,
@@ -110,15 +117,26 @@ class FrameDecoder:
     def __init__(self, limits: WireLimits | None = None) -> None:
         self.limits = limits or WireLimits()
         self._buf = bytearray()
+        # Bytes fed while nothing was buffered are read in place, without a copy into
+        # the buffer: most reads end on a frame boundary. What is left of them (the
+        # start of a frame) moves to the buffer when more bytes are needed.
+        self._data = b""
+        self._pos = 0
 
     @property
     def buffered(self) -> int:
         """Bytes received but not yet consumed."""
-        return len(self._buf)
+        return len(self._buf) + len(self._data) - self._pos
 
     def feed(self, data: bytes) -> None:
         """Append received bytes."""
-        self._buf += data
+        if self._pos < len(self._data):
+            self._buf += memoryview(self._data)[self._pos :]
+        self._data, self._pos = b"", 0
+        if self._buf:
+            self._buf += data
+        else:
+            self._data = bytes(data)
 
     def next_frame(self) -> tuple[MessageType, bytes] | None:
         """The next complete frame, or None until more bytes arrive.
@@ -126,13 +144,31 @@ class FrameDecoder:
         Raises:
             RemoteProtocolError: bad magic, version, type, flags or length.
         """
-        if len(self._buf) < HEADER_SIZE:
+        if self._data:
+            frame = self._next_in(self._data, self._pos)
+            if frame is None:
+                # A partial frame: buffered until the rest arrives.
+                self._buf += memoryview(self._data)[self._pos :]
+                self._data, self._pos = b"", 0
+                return None
+            self._pos += HEADER_SIZE + len(frame[1])
+            if self._pos >= len(self._data):
+                self._data, self._pos = b"", 0
+            return frame
+        frame = self._next_in(self._buf, 0)
+        if frame is not None:
+            del self._buf[: HEADER_SIZE + len(frame[1])]
+        return frame
+
+    def _next_in(self, buf: bytes | bytearray, pos: int) -> tuple[MessageType, bytes] | None:
+        have = len(buf) - pos
+        if have < HEADER_SIZE:
             # Check what we have of the magic early: a wrong first byte is final.
-            n = min(len(self._buf), 4)
-            if self._buf[:n] != MAGIC[:n]:
+            n = min(have, 4)
+            if buf[pos : pos + n] != MAGIC[:n]:
                 raise RemoteProtocolError("frame: bad magic", reason="bad_magic")
             return None
-        magic, version, mtype, flags, length = HEADER.unpack_from(self._buf)
+        magic, version, mtype, flags, length = HEADER.unpack_from(buf, pos)
         if magic != MAGIC:
             raise RemoteProtocolError("frame: bad magic", reason="bad_magic")
         if version != PROTOCOL_VERSION:
@@ -141,8 +177,8 @@ class FrameDecoder:
                 reason="unsupported_version",
             )
         try:
-            kind = MessageType(mtype)
-        except ValueError:
+            kind = _TYPES[mtype]
+        except KeyError:
             raise RemoteProtocolError(
                 f"frame: unknown message type {mtype}", reason="unknown_type"
             ) from None
@@ -153,11 +189,13 @@ class FrameDecoder:
                 f"frame: {kind.name} body of {length} bytes exceeds {self.limits.max_frame_bytes}",
                 reason="frame_too_large",
             )
-        if len(self._buf) < HEADER_SIZE + length:
+        if have < HEADER_SIZE + length:
             return None
-        body = bytes(self._buf[HEADER_SIZE : HEADER_SIZE + length])
-        del self._buf[: HEADER_SIZE + length]
-        return kind, body
+        start = pos + HEADER_SIZE
+        return kind, bytes(buf[start : start + length])
+
+
+_TYPES = {int(t): t for t in MessageType}
 
 
 # -- messages -----------------------------------------------------------------
@@ -193,18 +231,43 @@ def encode_message(msg: Message) -> bytes:
     the result is byte-identical to packing `message_to_obj` (the vectors check).
     """
     if isinstance(msg, Tick | Tock):
-        packer = msgpack.Packer(use_bin_type=True)
-        head = (
-            packer.pack_map_header(5)
-            + packer.pack("seq") + packer.pack(msg.seq)
-            + packer.pack("digest") + packer.pack(msg.digest)
-            + packer.pack("match") + packer.pack(msg.match)
-            + packer.pack("records") + packer.pack_array_header(len(msg.records))
-        )  # fmt: skip
-        tail = packer.pack("links") + packer.pack(list(msg.links))
-        body = b"".join([head, *(r.packed() for r in msg.records), tail])
-        return encode_frame(MESSAGE_TYPES[type(msg)], body)
+        records = msg.records
+        body = b"".join(
+            [
+                _SEQ,
+                _packb(msg.seq),
+                _DIGEST,
+                _packb(msg.digest, use_bin_type=True),
+                _MATCH_TRUE if msg.match else _MATCH_FALSE,
+                _array_header(len(records)),
+                *[r.packed() for r in records],
+                _LINKS,
+                _packb(list(msg.links), use_bin_type=True),
+            ]
+        )
+        kind = MessageType.TICK if type(msg) is Tick else MessageType.TOCK
+        return HEADER.pack(MAGIC, PROTOCOL_VERSION, kind, 0, len(body)) + body
     return encode_frame(MESSAGE_TYPES[type(msg)], pack(message_to_obj(msg)))
+
+
+# The fixed parts of a TICK or TOCK body, in `message_to_obj`'s key order: a map of
+# five entries whose keys are short strings (msgpack's canonical encoding of each).
+_packb = msgpack.packb
+_SEQ: bytes = b"\x85" + _packb("seq")  # the map header (five entries), then "seq"
+_DIGEST: bytes = _packb("digest")
+_MATCH_TRUE: bytes = _packb("match") + _packb(True)
+_MATCH_FALSE: bytes = _packb("match") + _packb(False)
+_RECORDS: bytes = _packb("records")
+_LINKS: bytes = _packb("links")
+
+
+def _array_header(n: int) -> bytes:
+    """``"records"`` and the array header of ``n`` records, as msgpack packs them."""
+    if n < 16:
+        return _RECORDS + bytes((0x90 | n,))
+    if n < 1 << 16:
+        return _RECORDS + b"\xdc" + n.to_bytes(2, "big")
+    return _RECORDS + b"\xdd" + n.to_bytes(4, "big")
 
 
 def decode_message(kind: MessageType, body: bytes, limits: WireLimits | None = None) -> Message:
@@ -214,9 +277,222 @@ def decode_message(kind: MessageType, body: bytes, limits: WireLimits | None = N
         RemoteProtocolError: naming the message and the field path.
     """
     lim = limits or WireLimits()
+    if kind is MessageType.TICK or kind is MessageType.TOCK:
+        msg = _decode_exchange(kind, body, lim)
+        if msg is not None:
+            return msg
     name = kind.name
     obj = unpack_body(body, lim, name)
     return message_from_obj(kind, obj, lim)
+
+
+# -- the fast path of TICK and TOCK ---------------------------------------------------
+#
+# Most of what a node receives is the same few records again: every version of a
+# record crosses every overlay link, and a relayed record is the same bytes on every
+# hop. So a TICK or TOCK is walked without decoding its records: each record's bytes
+# are looked up among the records already decoded from exactly those bytes (under the
+# same unpacker limits), and only a miss is decoded and validated, strictly, as the
+# slow path would. A hit is the same immutable `Record` object, fingerprint and
+# packed bytes computed once: a node never pays again for a record another link (or,
+# in the simulator, another node) already paid for. The fast path accepts exactly what
+# the slow path accepts and returns the same message; anything unusual (a field out
+# of place, a bad value, any msgpack error) returns None and the slow path decodes the
+# body again, raising the error that names the field.
+
+T = TypeVar("T")
+
+DECODED_CAPACITY = 4096
+"""Records (and link lists) kept decoded per set of unpacker limits, by default."""
+
+
+class Interned(Generic[T]):
+    """Values decoded from bytes, by those exact bytes; at most ``capacity`` kept.
+
+    Two generations: a lookup tries the young dict, then the old one (and moves a hit
+    there up); when the young one holds half the capacity it becomes the old one and
+    the previous old one is dropped. Entries in use stay, and a flood of one-off
+    values costs at most ``capacity`` entries.
+    """
+
+    __slots__ = ("_half", "_old", "_young")
+
+    def __init__(self, capacity: int = DECODED_CAPACITY) -> None:
+        self._half = max(1, capacity // 2)
+        self._young: dict[bytes, T] = {}
+        self._old: dict[bytes, T] = {}
+
+    def __len__(self) -> int:
+        return len(self._young) + len(self._old)
+
+    def get(self, key: bytes) -> T | None:
+        """The value decoded from ``key``, if kept."""
+        value = self._young.get(key)
+        if value is None:
+            value = self._old.pop(key, None)
+            if value is not None:
+                self.put(key, value)
+        return value
+
+    def put(self, key: bytes, value: T) -> None:
+        """Keep ``value`` as decoded from ``key``."""
+        if len(self._young) >= self._half:
+            self._old = self._young
+            self._young = {}
+        self._young[key] = value
+
+    def resize(self, capacity: int) -> None:
+        """Keep at most ``capacity`` entries from now on (the simulator keeps more)."""
+        self._half = max(1, capacity // 2)
+
+
+class _Decoded:
+    """What one set of unpacker limits has decoded: records, and `links` lists."""
+
+    __slots__ = ("links", "records")
+
+    def __init__(self, capacity: int) -> None:
+        self.records: Interned[Record] = Interned(capacity)
+        self.links: Interned[tuple[str, ...]] = Interned(capacity)
+
+
+class _AllDecoded:
+    """`_Decoded` per set of unpacker limits (a handful: they come from configuration)."""
+
+    def __init__(self) -> None:
+        self.capacity = DECODED_CAPACITY
+        self._by_unpack: dict[UnpackLimits, _Decoded] = {}
+        self._by_wire: dict[WireLimits, tuple[UnpackLimits, _Decoded]] = {}
+
+    def resize(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        for d in self._by_unpack.values():
+            d.records.resize(self.capacity)
+            d.links.resize(self.capacity)
+
+    def get(self, limits: WireLimits) -> tuple[UnpackLimits, _Decoded]:
+        found = self._by_wire.get(limits)
+        if found is None:
+            if len(self._by_wire) >= 16:
+                self._by_wire.clear()
+            ul = limits.unpack
+            d = self._by_unpack.get(ul)
+            if d is None:
+                d = self._by_unpack[ul] = _Decoded(self.capacity)
+            found = self._by_wire[limits] = (ul, d)
+        return found
+
+
+_DECODED = _AllDecoded()
+
+
+def set_decoded_capacity(capacity: int) -> None:
+    """How many records (and link lists) the fast path keeps decoded per set of limits.
+
+    Only memory and speed depend on it, never a decoded value. A daemon keeps the
+    default; the simulator, whose nodes share one process and so one cache, raises it
+    with the cluster size.
+    """
+    _DECODED.resize(capacity)
+
+
+_UNSET: Any = object()
+
+
+def _decode_exchange(kind: MessageType, body: bytes, lim: WireLimits) -> Tick | Tock | None:
+    """A TICK or TOCK body, decoded through the caches above; None: let the strict
+    path decode it (it is unusual, or wrong, and that path names the fault)."""
+    ul, cache = _DECODED.get(lim)
+    seq = digest = match = _UNSET
+    records: list[Record] | None = None
+    links: tuple[str, ...] | None = None
+    try:
+        up = strict_unpacker(ul, len(body))
+        up.feed(body)
+        if up.read_map_header() != 5 or lim.max_map < 5:
+            return None
+        for _ in range(5):
+            key = up.unpack()
+            if key == "records":
+                count = up.read_array_header()
+                if records is not None or count > lim.max_records or count > ul.max_array:
+                    return None
+                records = []
+                interned = cache.records
+                for _ in range(count):
+                    start = up.tell()
+                    up.skip()
+                    span = body[start : up.tell()]
+                    rec = interned.get(span)
+                    if rec is None:
+                        rec = _decode_record(span, ul, interned)
+                        if rec is None:
+                            return None
+                    records.append(rec)
+            elif key == "links":
+                start = up.tell()
+                up.skip()
+                span = body[start : up.tell()]
+                if links is not None:
+                    return None
+                links = cache.links.get(span)
+                if links is None:
+                    links = _decode_links(span, ul, cache.links)
+                    if links is None:
+                        return None
+            elif key == "seq" and seq is _UNSET:
+                seq = up.unpack()
+            elif key == "digest" and digest is _UNSET:
+                digest = up.unpack()
+            elif key == "match" and match is _UNSET:
+                match = up.unpack()
+            else:
+                return None
+        if up.tell() != len(body):
+            return None
+    except Exception:  # msgpack raises many unrelated types; the strict path sorts it out
+        return None
+    if (
+        records is None
+        or links is None
+        or len(links) > lim.max_summary
+        or type(seq) is not int
+        or not 1 <= seq <= INT64_MAX
+        or type(digest) is not bytes
+        or len(digest) != DIGEST_LEN
+        or type(match) is not bool
+    ):
+        return None
+    cls = Tick if kind is MessageType.TICK else Tock
+    return cls(seq=seq, digest=digest, match=match, records=tuple(records), links=links)
+
+
+def _decode_record(span: bytes, ul: UnpackLimits, interned: Interned[Record]) -> Record | None:
+    try:
+        rec = Record.from_wire(unpack_strict(span, ul), "record")
+    except (UnpackError, RemoteProtocolError):
+        return None
+    # Computed once here rather than by every node that merges or relays it.
+    packed = rec.packed()
+    rec.fingerprint  # noqa: B018
+    # Canonical bytes (any peer of ours sends them) are the key and the cached packing
+    # at once; other bytes are a key of their own.
+    interned.put(packed if packed == span else span, rec)
+    return rec
+
+
+def _decode_links(
+    span: bytes, ul: UnpackLimits, interned: Interned[tuple[str, ...]]
+) -> tuple[str, ...] | None:
+    try:
+        raw = unpack_strict(span, ul)
+    except UnpackError:
+        return None
+    if type(raw) is not list or not all(name_ok(n) for n in raw):
+        return None
+    links = tuple(raw)
+    interned.put(span, links)
+    return links
 
 
 def message_from_obj(kind: MessageType, obj: Any, limits: WireLimits) -> Message:
