@@ -172,7 +172,8 @@ class Network:
             # as it was (it was durable then, on the disk it had).
             mine = own if own is not None and core and own.incarnation == core.incarnation else None
             conn.sent_records[side].append(mine)
-        self.release(conn, side)
+        if len(conn.outputs[side]):  # else there is nothing to release
+            self.release(conn, side)
         self._drain_events(conn, side)
 
     def release(self, conn: Connection, side: str) -> None:

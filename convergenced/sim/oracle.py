@@ -53,16 +53,22 @@ class Truth:
         self.generation_answers: dict[tuple[int, bytes], int | None] = {}
         self.last_rp: dict[str, int | None] = {}
         self._valid_cache: dict[tuple[bytes, int], bool] = {}
+        self.version = 0
+        """Bumped whenever a check that passed might fail now: the storage lost a
+        copy's validity (`touch`) or the job declared a spec. Callers may skip a check
+        that passed on the same inputs at the same version (`world`)."""
 
     def declared(self, spec: StreamSpec) -> None:
         """The job declares ``spec`` (a new membership of the stream): the spec of the
         job from now on."""
         self.spec = spec
         self.specs[spec.digest] = spec
+        self.version += 1
 
     def touch(self) -> None:
         """Call after changing what the storage holds: cached answers are stale."""
         self._valid_cache.clear()
+        self.version += 1
 
     def valid(self, epoch: int, spec: StreamSpec | None = None) -> bool:
         """S1 under the scope rules: every rank of every member of ``spec`` (default:
