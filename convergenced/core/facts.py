@@ -277,6 +277,8 @@ class StreamFacts:
     _recoverable: IntervalSet = field(default_factory=IntervalSet)
     _ranks: tuple[int, ...] = ()
     _newest: dict[str, int] = field(default_factory=dict)
+    _newest_in_policy: dict[str, int] | None = None
+    """`newest_by_domain`, kept until `_newest` or the spec changes (None: not yet)."""
     _scans: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
     """Resume points of `_every_rank_holds`: key -> (epoch, first rank index not
     yet seen holding it)."""
@@ -309,6 +311,7 @@ class StreamFacts:
         self.membership_high_water = None
         self._ranks = spec.ranks_of(self.node)
         self._newest.clear()
+        self._newest_in_policy = None
         self._recompute_all()
         return gone
 
@@ -429,6 +432,7 @@ class StreamFacts:
         ):
             self._newest[domain] = epoch
             self._newest = dict(sorted(self._newest.items()))
+            self._newest_in_policy = None
         policy = self.spec.policy
         if domain not in policy.domains:
             return
@@ -520,8 +524,12 @@ class StreamFacts:
         never holds more than `limits.MAX_POLICY_DOMAINS` entries: the local API refuses
         commits elsewhere, but a log written before it did may still hold some.
         """
-        domains = self.spec.policy.domains
-        return {d: e for d, e in self._newest.items() if d in domains}
+        cached = self._newest_in_policy
+        if cached is None:
+            domains = self.spec.policy.domains
+            cached = {d: e for d, e in self._newest.items() if d in domains}
+            self._newest_in_policy = cached
+        return dict(cached)  # the caller's to keep
 
     def stored(self) -> dict[str, Stored]:
         """Per domain of the policy (sorted), what this node's ranks hold there.
@@ -548,6 +556,7 @@ class StreamFacts:
         else:
             self._newest[domain] = newest
         self._newest = dict(sorted(self._newest.items()))
+        self._newest_in_policy = None
 
     def _rank_set(self, rank: int) -> IntervalSet:
         sets = [self.available.get((rank, d), EMPTY) for d in self.spec.policy.domains]

@@ -81,6 +81,9 @@ class StreamSpec:
     """The first recovery generation this member map applies to."""
     _digest: bytes = field(default=b"", compare=False, repr=False)
     _member_ids: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    _hosted: dict[str, tuple[int, ...]] = field(
+        init=False, default_factory=dict, compare=False, repr=False
+    )
 
     @classmethod
     def create(
@@ -180,11 +183,11 @@ class StreamSpec:
         )  # fmt: skip
 
     def ranks_of(self, node: str) -> tuple[int, ...]:
-        """The ranks ``node`` hosts (empty when it is not a member)."""
-        for member, ranks in self.members:
-            if member == node:
-                return ranks
-        return ()
+        """The ranks ``node`` hosts (empty when it is not a member; cached)."""
+        hosted = self._hosted
+        if not hosted and self.members:
+            hosted.update(self.members)
+        return hosted.get(node, ())
 
     # -- canonical form -----------------------------------------------------
 
