@@ -248,6 +248,18 @@ class Link:
         return self.state is S.CLOSED
 
     @property
+    def would_send(self) -> bool:
+        """True when `poll` would send something now (a TICK with deltas, one a NUDGE
+        asked for, a heartbeat that is due, or a NUDGE of ours); changes nothing."""
+        if self.state is S.HOLDING:
+            return (
+                self._nudge_received
+                or self._ticks_since_sent >= self.config.idle_ticks
+                or self._has_deltas()
+            )
+        return self.state is S.WAITING and not self._nudged and self._has_deltas()
+
+    @property
     def has_output(self) -> bool:
         """True when bytes or events wait to be taken (`data_to_send`, `next_event`)."""
         return bool(self._out) or bool(self._events)

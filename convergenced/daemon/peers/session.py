@@ -78,16 +78,16 @@ class PeerHub:
         """Let every session but ``source`` send the new records, and wake everyone in
         `wait_changed`.
 
-        Each link is polled here, synchronously, and only a session whose link then
-        has something to send is woken: in a full mesh most changes (another origin's
-        record, which its own links carry) give most links nothing to send, and a
-        wake-up per link per change was most of a busy daemon's CPU. The bytes wait
-        in the link and are tagged when the session takes them, which is later than
-        when they were produced and therefore safe (`convergenced.core.gate`).
+        Only a session whose link would send something is woken (`Link.would_send`):
+        in a full mesh most changes (another origin's record, which its own links
+        carry) give most links nothing to send, and a wake-up per link per change was
+        most of a busy daemon's CPU. The link is polled by its session's task, not
+        here: by then the task that changed the view has merged all it read, so one
+        TICK carries every record of the burst instead of the first one.
         """
         for session in self.sessions:
-            if session is not source:
-                session.poll()
+            if session is not source and session.link.would_send:
+                session.wake()
         self._changed.set()
         self._changed = trio.Event()
 
@@ -149,15 +149,6 @@ class PeerSession:
     def wake(self) -> None:
         """Ask the session to `poll` its link soon."""
         self._wake.set()
-
-    def poll(self) -> None:
-        """Poll the link now; wake the session only when the link has something to
-        send or to report."""
-        if self._nursery is None or self.link.closed:
-            return
-        self.link.poll()
-        if self.link.has_output:
-            self.wake()
 
     def tick(self) -> None:
         """One timer tick (`PeerHub.run_timer`): the link's heartbeat and failure
