@@ -230,3 +230,27 @@ async def test_a_cancelled_reader_still_gets_its_read_commits_applied(
     assert [r[0]["epoch"] for r in results] == [3, 3]
     assert node.status("job").newest == {"a": {}}
     assert (1, "nvme") in node._streams["job"].facts.available
+
+
+async def test_a_client_that_stops_reading_its_acks_is_disconnected(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    # A run's replies leave as one chunk, but the limit counts replies: 50 acks held
+    # while the daemon is blocked sending earlier ones to a client that does not read
+    # are past limits.client_queue (16) and end that client's session.
+    d = Daemon(tmp_path)
+    client, daemon_side = trio.testing.lockstep_stream_pair()
+    session = ClientSession(daemon_side, d.ops, d.gate, d.commits.durable,
+                            limits=Limits(client_queue=16), telemetry=d.telemetry,
+                            batcher=d.batcher)  # fmt: skip
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(session.run)
+            for burst in range(4):  # never reads a reply
+                epochs = range(burst * 50, burst * 50 + 50)
+                await client.send_all(b"".join(commit(e + 1, 0, "nvme", e) for e in epochs))
+                await trio.sleep(1)  # the fsync, then the writer blocks sending
+                if d.telemetry.counters().get("api_errors_client_too_slow"):
+                    break
+            nursery.cancel_scope.cancel()
+    assert d.telemetry.counters()["api_errors_client_too_slow"] == 1

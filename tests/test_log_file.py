@@ -56,6 +56,15 @@ def test_every_entry_kind_round_trips_through_the_codec() -> None:
         assert decode_entry(encode_entry(entry)) == entry
 
 
+def test_appended_entries_are_framed_as_frame_entry_frames_them(tmp_path: Path) -> None:
+    # append packs with a packer of its own; compaction (encode_log) with frame_entry.
+    wal, _, _ = FactLog.open(tmp_path / "wal")
+    for e in ENTRIES:
+        wal.append(e)
+    assert wal.take_pending() == encode_group([frame_entry(e) for e in ENTRIES], 1)
+    wal.close()
+
+
 def _sync(wal: FactLog) -> None:
     wal.write_durably(wal.take_pending())
 

@@ -48,6 +48,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgpack
+
 from convergenced import fsutil
 from convergenced.core.packing import UnpackError, UnpackLimits, pack, unpack_strict
 from convergenced.daemon.durability.entries import Entry, decode_entry, encode_entry
@@ -115,6 +117,9 @@ class FactLog:
         self._fd = fd
         self._pending: list[bytes] = []
         self._next_seq = next_seq
+        self._packer = msgpack.Packer(use_bin_type=True)
+        """`append`'s own (the event loop's): `pack`'s bytes, without making a packer
+        per entry. Compaction, on the disk thread, packs with `pack`."""
         self.synced_bytes = os.fstat(fd).st_size
         """Size of the log on disk (what is durable)."""
 
@@ -161,7 +166,8 @@ class FactLog:
 
     def append(self, entry: Entry) -> None:
         """Buffer ``entry``; it is durable only once a write that holds it returned."""
-        self._pending.append(frame_entry(entry))
+        payload: bytes = self._packer.pack(encode_entry(entry))  # as frame_entry
+        self._pending.append(ENTRY_LENGTH.pack(len(payload)) + payload)
 
     def take_pending(self) -> bytes:
         """Everything appended so far, as one group for `write_durably` (b"": none).

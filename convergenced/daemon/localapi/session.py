@@ -39,6 +39,7 @@ same holds when the daemon hangs up on a frame it cannot resynchronize after.
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -93,6 +94,12 @@ class ClientSession:
         self.limit = limits.client_queue
         self._durable = durable
         self._out = gate.output()
+        self._counts: deque[int] = deque()
+        """Replies in each chunk held in ``_out`` (a run of commits' replies go as
+        one chunk), so the limit counts replies, not chunks."""
+        self._queued = 0
+        """Replies held in ``_out``."""
+        self._encoder = codec.FrameEncoder()
         self._ready = trio.Event()
         self._drained = trio.Event()
         self._sending = False
@@ -170,7 +177,7 @@ class ClientSession:
                 self._hung_up = True
                 self._fail(None, reader.failed)
                 return
-            while len(self._out) >= self.limit:
+            while self._queued >= self.limit:
                 if self._stuck():
                     return
                 await self._drained.wait()
@@ -238,11 +245,15 @@ class ClientSession:
         run = list(commits)
         commits.clear()
         outcomes = await self._batcher.submit([req.args["fact"] for req in run])
+        frames = []
+        encode = self._encoder.encode
         for req, outcome in zip(run, outcomes, strict=True):
             if isinstance(outcome, ApiError):
-                self._fail(req.id, outcome)
+                self.telemetry.api_error(outcome.reason)
+                frames.append(encode(codec.error(req.id, outcome)))
             else:
-                self._reply(codec.ok(req.id, outcome))
+                frames.append(encode(codec.ok(req.id, outcome)))
+        self._queue(b"".join(frames), len(frames))  # one chunk: one tag, one wake-up
 
     async def _dispatch(self, req: Request) -> None:
         if req.id in self._inflight:
@@ -316,21 +327,26 @@ class ClientSession:
         self._reply(codec.error(rid, err))
 
     def _reply(self, msg: dict[str, Any]) -> None:
-        self._queue(codec.encode_frame(msg))
+        self._queue(self._encoder.encode(msg))
 
-    def _queue(self, frame: bytes) -> None:
-        self._out.send(frame)
+    def _queue(self, frames: bytes, replies: int = 1) -> None:
+        """Hold ``frames`` (``replies`` of them) until what they reveal is durable."""
+        self._out.send(frames)
+        self._counts.append(replies)
+        self._queued += replies
         self._ready.set()
-        if len(self._out) > self.limit:
+        if self._queued > self.limit:
             self._stuck()
 
     def _stuck(self) -> bool:
         """Disconnect the client if it stopped reading (see the module docstring)."""
         if not self._sending:
             return False
+        if self._nursery is not None and self._nursery.cancel_scope.cancel_called:
+            return True  # disconnected already: counted and logged once
         self.telemetry.api_error("client_too_slow")
         self.telemetry.warn(
-            "client_too_slow", "client too slow; disconnecting", queued=len(self._out)
+            "client_too_slow", "client too slow; disconnecting", queued=self._queued
         )
         self.kill()
         return True
@@ -340,6 +356,8 @@ class ClientSession:
         while True:
             chunks = out.release()
             if chunks:
+                for _ in chunks:
+                    self._queued -= self._counts.popleft()
                 self._drained.set()
                 self._drained = trio.Event()
                 self._sending = True
@@ -367,6 +385,8 @@ class ClientSession:
     async def _answer_held(self, err: ApiError) -> None:
         """The log failed: what waits for it never leaves; its requests get ``err``."""
         frames = codec.FrameReader(1 << 30).feed(b"".join(self._out.discard()))
+        self._counts.clear()
+        self._queued = 0
         ids = [f.get("id") for f in frames if isinstance(f, dict) and "event" not in f]
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             for rid in ids:
