@@ -19,7 +19,8 @@ through the public clients from this one process. Three sections:
    one run (ramp-up and ramp-down included), the ack latency is measured per request
    by the client. The daemon's CPU time per commit (utime + stime from
    ``/proc/PID/stat``) gives the ceiling one daemon process could reach with a core
-   of its own; commits per fsync come from the daemon's ``wal_fsyncs`` counter.
+   of its own, and this process's CPU time per commit what the clients' side costs
+   on the same cores; commits per fsync come from the daemon's ``wal_fsyncs`` counter.
    Target (issue): >= 20,000 commits/s with group commit.
 
 2. **convergence latency**, N = 3, 8, 16 daemons, one stream with every node as a
@@ -346,6 +347,12 @@ class TputResult:
         """Median over the runs of daemon CPU seconds per commit."""
         return median([r.cpu["daemons"] * r.wall_s / r.commits for r in self.runs])
 
+    @property
+    def client_cpu_per_commit_s(self) -> float:
+        """Median over the runs of this (measuring) process's CPU seconds per commit:
+        the clients' side, which shares the machine's cores with the daemon."""
+        return median([r.cpu["client"] * r.wall_s / r.commits for r in self.runs])
+
     def share(self, who: str) -> float:
         """Median over the runs of ``who``'s CPU time / wall time (1.0 = one core)."""
         return median([r.cpu[who] for r in self.runs])
@@ -377,6 +384,7 @@ class TputResult:
             "ack_p90_s": self.lat(90),
             "ack_p99_s": self.lat(99),
             "daemon_cpu_per_commit_s": self.daemon_cpu_per_commit_s,
+            "client_cpu_per_commit_s": self.client_cpu_per_commit_s,
             "daemon_cpu_share": self.share("daemons"),
             "client_cpu_share": self.share("client"),
             "other_processes_cpu_share": self.share("other"),
@@ -531,7 +539,7 @@ def render_throughput(results: Sequence[TputResult], info: dict[str, Any]) -> st
     header = (
         f"{'configuration':<{width}}  {'runs':>4}  {'commits/run':>11}  {'commits/s':>9}  "
         f"{'(min-max)':>13}  {'ack p50':>9}  {'ack p99':>9}  {'per fsync':>9}  "
-        f"{'CPU/commit':>10}  {'daemon':>6}  {'client':>6}  {'other':>6}  result"
+        f"{'CPU/commit':>10}  {'(client)':>8}  {'daemon':>6}  {'client':>6}  {'other':>6}  result"
     )
     lines += [header, "-" * len(header)]
     for r in results:
@@ -541,8 +549,10 @@ def render_throughput(results: Sequence[TputResult], info: dict[str, Any]) -> st
         lines.append(
             f"{r.label:<{width}}  {len(r.runs):>4}  {r.runs[0].commits:>11,}  {r.rate:>9,.0f}  "
             f"{spread:>13}  {ms(r.lat(50)):>9}  {ms(r.lat(99)):>9}  {per_fsync:>9}  "
-            f"{r.daemon_cpu_per_commit_s * 1e6:>7.0f} us  {r.share('daemons'):>6.0%}  "
-            f"{r.share('client'):>6.0%}  {r.share('other'):>6.0%}  {r.status}"
+            f"{r.daemon_cpu_per_commit_s * 1e6:>7.0f} us  "
+            f"{r.client_cpu_per_commit_s * 1e6:>5.0f} us  "
+            f"{r.share('daemons'):>6.0%}  {r.share('client'):>6.0%}  {r.share('other'):>6.0%}  "
+            f"{r.status}"
         )
     best = max((r for r in results if r.target is not None), key=lambda r: r.rate)
     ceiling = 1 / best.daemon_cpu_per_commit_s
@@ -552,7 +562,8 @@ def render_throughput(results: Sequence[TputResult], info: dict[str, Any]) -> st
         f"target >= {THROUGHPUT_TARGET:,.0f} commits/s with group commit: {verdict} "
         f"(best median {best.rate:,.0f}/s, {best.label})",
         f"daemon CPU per commit {best.daemon_cpu_per_commit_s * 1e6:.0f} us there: a daemon "
-        f"with a whole core to itself would top out near {ceiling:,.0f} commits/s",
+        f"with a whole core to itself would top out near {ceiling:,.0f} commits/s (its "
+        f"clients took {best.client_cpu_per_commit_s * 1e6:.0f} us per commit of the other)",
     ]
     for grouped in results:
         for plain in results:
@@ -572,6 +583,8 @@ def render_throughput(results: Sequence[TputResult], info: dict[str, Any]) -> st
         "commits/s, CPU columns: median over the runs (min-max: of the runs)",
         "ack p50/p99: median over the runs of each run's percentile, measured by the client",
         "per fsync: commits per fsync of the log (daemon counter wal_fsyncs)",
+        "CPU/commit: the daemon's CPU time per commit; (client): this measuring process's, the",
+        "  clients' side of each commit",
         "daemon / client / other: CPU time / wall time (100% = one core busy) of the daemon,",
         "  of this measuring process, and of everything else on the machine (other sessions,",
         "  and kernel threads, which includes the ext4 journal work of our own fsyncs)",
