@@ -66,8 +66,14 @@ here is tuned to meet the target.
 Usage::
 
     .venv/bin/python benchmarks/bench_scale.py [--quick] [--json] [--out DIR]
-        [--budget-s S] [--seeds K] [--jobs J] [--max-nodes N] [--gossip-seeds K]
-        [--warmup-ms MS] [--profile N]
+        [--budget-s S] [--seeds K] [--jobs J] [--max-nodes N] [--nodes N ...]
+        [--gossip-seeds K] [--warmup-ms MS] [--profile N]
+
+``--nodes N ...`` measures exactly those N instead of the doubling, whatever the
+budget (``--nodes 1024 --seeds 1``: one seed at N = 1024, about 7 CPU-minutes and
+1.5 GB on this machine). Below the table, the cost of one seed at the N not
+measured (up to 4096) is *predicted* from power laws fitted to the CPU time and peak
+RSS of the largest measured N, and labelled as such.
 
 ``--quick``: N = 16 and 32, one seed, gossip up to 256 (< 15 s). ``--json`` also
 prints one JSON object with every number on the last line. ``--out DIR`` writes
@@ -137,10 +143,15 @@ class Config:
     gossip_seeds: int
     gossip_max_nodes: int
     warmup_us: int
+    nodes: tuple[int, ...] = ()
+    """Exactly these N (``--nodes``), each measured whatever the budget; empty: N = 16
+    doubling while the budget allows."""
 
 
 FULL = Config("full", DEFAULT_BUDGET_S, 3, 2, MAX_NODES, 9, MAX_NODES, 20_000)
-QUICK = Config("quick", 8.0, 1, 2, 32, 3, 256, 20_000)
+QUICK = Config("quick", 8.0, 1, 2, 32, 3, 256, 20_000, nodes=(16, 32))
+"""The smoke run: both N always, however loaded the machine (its budget would skip
+N = 32 when N = 16 ran slowly)."""
 
 
 # -- convergenced: the simulator ---------------------------------------------------
@@ -196,6 +207,7 @@ def run_seed(task: tuple[int, int, int]) -> dict[str, Any]:
         "trace_hash": r.trace_hash,
         "wall_s": round(end - start, 3),
         "cpu_s": round(_cpu_s() - cpu0, 3),
+        "frames_per_cpu_s": round(r.messages / max(_cpu_s() - cpu0, 1e-9)),
         "max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "links_per_node": round(2 * len(sim.pairs) / nodes, 2),
     }
@@ -264,6 +276,7 @@ def summarize_n(nodes: int, runs: list[dict[str, Any]], batch_wall_s: float) -> 
         "batch_wall_s": round(batch_wall_s, 2),
         "wall_s_median": _med([r["wall_s"] for r in runs]),
         "cpu_s_median": _med([r["cpu_s"] for r in runs]),
+        "frames_per_cpu_s_median": _med([r["frames_per_cpu_s"] for r in runs]),
         "warmup_wall_s_median": _med([r["warmup_wall_s"] for r in runs if "warmup_wall_s" in r]),
         "agree_wall_s_median": _med([r["agree_wall_s"] for r in runs if "agree_wall_s" in r]),
         "events_median": _med([r["events"] for r in runs]),
@@ -314,10 +327,11 @@ def sweep(cfg: Config, log: Any) -> dict[str, Any]:
     done: list[dict[str, Any]] = []
     not_measured: list[int] = []
     stop_reason = ""
-    n = FIRST_NODES
+    explicit = list(cfg.nodes)
+    n = explicit.pop(0) if explicit else FIRST_NODES
     while n <= cfg.max_nodes:
         seeds = cfg.seeds
-        if done:
+        if done and not cfg.nodes:
             left = cfg.budget_s - (time.perf_counter() - started)
             per_seed = predict_seed_s(done)
             waves = math.ceil(seeds / cfg.jobs)
@@ -342,7 +356,12 @@ def sweep(cfg: Config, log: Any) -> dict[str, Any]:
             f"{_fmt_bytes(row.get('bytes_per_node_median'))}/node, "
             f"{row['wall_s_median']:.1f} s/seed\n"
         )
-        n *= 2
+        if cfg.nodes:
+            if not explicit:
+                break
+            n = explicit.pop(0)
+        else:
+            n *= 2
     return {
         "rows": done,
         "not_measured": not_measured,
@@ -528,8 +547,41 @@ def analyse(
             }
         )
     out["ratios_convergenced_over_gossip"] = ratios
+    fit = cost_fit(rows)
+    if fit is not None:
+        out["cost_fit"] = fit
     out["verdict"] = verdict(rows, out, not_measured)
     return out
+
+
+def cost_fit(rows: list[dict[str, Any]], upto: int = MAX_NODES) -> dict[str, Any] | None:
+    """What one seed would cost at the N not measured, from power laws fitted over the
+    largest measured N: CPU time per seed (median) and peak RSS per seed process, each
+    ``c x N^k`` by least squares on log-log over the last (at most four) measured N
+    past the mesh limit. A prediction, never a measurement: the tables show none."""
+    pts = [r for r in rows if r["nodes"] > DEFAULT_MESH_LIMIT and r.get("cpu_s_median")][-4:]
+    if len(pts) < 2:
+        return None
+    xs = [math.log(r["nodes"]) for r in pts]
+    cpu = _fit(xs, [math.log(r["cpu_s_median"]) for r in pts])
+    rss = _fit(xs, [math.log(r["max_rss_mb"]) for r in pts])
+    if cpu is None or rss is None:
+        return None
+    top = pts[-1]["nodes"]
+    predicted = [
+        {
+            "nodes": n,
+            "cpu_s": round(math.exp(cpu[0]) * n ** cpu[1]),
+            "rss_mb": round(math.exp(rss[0]) * n ** rss[1]),
+        }
+        for n in _doublings(2 * top, upto)
+    ]
+    return {
+        "from_nodes": [r["nodes"] for r in pts],
+        "cpu_exponent": round(cpu[1], 2),
+        "rss_exponent": round(rss[1], 2),
+        "predicted": predicted,
+    }
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -557,7 +609,7 @@ def verdict(rows: list[dict[str, Any]], fits: dict[str, Any], not_measured: list
     if not_measured:
         tail = f"N = {not_measured[0]}..{not_measured[-1]} not measured (wall-time budget)."
     elif hi < MAX_NODES:
-        tail = f"N > {hi} not run (--max-nodes)."
+        tail = f"N > {hi} not run (--max-nodes or --nodes)."
     if failed:
         tail += f" Seeds that did not converge at N = {', '.join(map(str, failed))}."
     if over:
@@ -662,7 +714,8 @@ def render(sw: dict[str, Any], gossip: list[dict[str, Any]], an: dict[str, Any])
     head = (
         f"{'N':>5} {'links':>5} {'seeds':>5} {'rounds':>6} {'max':>4} {'2clog2N':>7} "
         f"{'bytes/node':>10} {'B/node/rnd':>10} {'msgs/node':>9} {'copies':>6} "
-        f"{'wall/seed':>9} {'cpu':>7} {'warm-up':>8} {'agree':>7} {'events':>8} {'RSS':>7}"
+        f"{'wall/seed':>9} {'cpu':>7} {'warm-up':>8} {'agree':>7} {'events':>8} {'RSS':>7} "
+        f"{'frames/cpu-s':>12}"
     )
     lines.append(head)
     for r in sw["rows"]:
@@ -677,16 +730,27 @@ def render(sw: dict[str, Any], gossip: list[dict[str, Any]], an: dict[str, Any])
             f"{r['wall_s_median']:>8.1f}s {r['cpu_s_median']:>6.1f}s "
             f"{_fmt(r['warmup_wall_s_median'], '.1f'):>7}s "
             f"{_fmt(r['agree_wall_s_median'], '.1f'):>6}s {r['events_median']:>8g} "
-            f"{r['max_rss_mb']:>5.0f}MB"
+            f"{r['max_rss_mb']:>5.0f}MB {_fmt(r.get('frames_per_cpu_s_median'), '.0f'):>12}"
         )
     lines.append(
         "(links: overlay links per node; 2clog2N: 2 x ceil(log2 N), the design's bound "
         "for fault-free runs; B/node/rnd: bytes per node per round; copies: record copies "
         "sent per (node, origin); wall/seed = warm-up + agree; cpu: CPU time per seed; "
-        "RSS: peak per seed process)"
+        "RSS: peak per seed process; frames/cpu-s: frames delivered per CPU-second of the "
+        "seed's process, whole run)"
     )
     measured = ", ".join(str(r["nodes"]) for r in sw["rows"])
     lines.append(f"measured N: {measured}")
+    fit = an.get("cost_fit")
+    if fit and fit["predicted"]:
+        lo, hi = fit["from_nodes"][0], fit["from_nodes"][-1]
+        guesses = "; ".join(
+            f"N = {p['nodes']}: ~{p['cpu_s']} CPU-s, ~{p['rss_mb']} MB" for p in fit["predicted"]
+        )
+        lines.append(
+            f"predicted per seed, NOT measured (power laws fitted over N = {lo}..{hi}: CPU "
+            f"~ N^{fit['cpu_exponent']:g}, RSS ~ N^{fit['rss_exponent']:g}): {guesses}"
+        )
     if sw["not_measured"]:
         lines.append(
             f"NOT measured: N = {', '.join(map(str, sw['not_measured']))} ({sw['stop_reason']})"
@@ -848,6 +912,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, help="simulator seeds per N (default 3)")
     parser.add_argument("--jobs", type=int, help="worker processes (default 2)")
     parser.add_argument("--max-nodes", type=int, help=f"largest N tried (default {MAX_NODES})")
+    parser.add_argument(
+        "--nodes", type=int, nargs="+", metavar="N",
+        help="measure exactly these N (each whatever the budget), e.g. --nodes 1024",
+    )  # fmt: skip
     parser.add_argument("--gossip-seeds", type=int, help="gossip model seeds per N (default 9)")
     parser.add_argument("--warmup-ms", type=int, help="virtual warm-up before the final commit")
     parser.add_argument("--profile", type=int, metavar="N", help="also cProfile one seed at N")
@@ -862,6 +930,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             cfg = dataclasses.replace(cfg, **{field: value})
     if args.warmup_ms is not None:
         cfg = dataclasses.replace(cfg, warmup_us=max(1, args.warmup_ms) * 1000)
+    if args.nodes:
+        if min(args.nodes) < 2:
+            parser.error("--nodes must be at least 2")
+        cfg = dataclasses.replace(cfg, nodes=tuple(sorted(set(args.nodes))))
     if cfg.max_nodes < FIRST_NODES:
         parser.error(f"--max-nodes must be at least {FIRST_NODES}")
     info: dict[str, Any] = {

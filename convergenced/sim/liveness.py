@@ -16,6 +16,7 @@ keep whatever spec they held and are not waited for.
 from __future__ import annotations
 
 import math
+from itertools import chain
 from typing import Protocol
 
 from convergenced.core.facts import Commit, Fact
@@ -81,6 +82,8 @@ class Liveness:
         self.bytes_at_final = 0
         self.rounds: int | None = None
         """Handshake rounds it took, once converged."""
+        self._waiting: tuple[tuple[str, ...], int] = ((), 0)
+        """The members `converged` asked about last, and the first of them not there."""
 
     def begin(self) -> None:
         """The faults stop: heal the network, restart every daemon, reconnect."""
@@ -164,10 +167,22 @@ class Liveness:
         w = self.world
         if self.t_final is None:
             return False
-        want = self.want
-        for nid in w.spec.member_ids:
-            core = w.nodes[nid].core
-            if core is None or core.restore_point(STREAM) != want:
+        want, nodes = self.want, w.nodes
+
+        def there(nid: str) -> bool:
+            core = nodes[nid].core
+            return core is not None and core.restore_point(STREAM) == want
+
+        # Asked after every move of a restore point: start with the member that was
+        # not there last time (O(1) while it still is not), and say yes only once every
+        # member is there now.
+        members = w.spec.member_ids
+        if self._waiting[0] is not members:
+            self._waiting = (members, 0)
+        start = self._waiting[1]
+        for i in chain(range(start, len(members)), range(start)):
+            if not there(members[i]):
+                self._waiting = (members, i)
                 return False
         rtt = 2 * w.latency_us
         self.rounds = max(1, math.ceil((w.loop.now - self.t_final) / rtt))

@@ -28,6 +28,9 @@ class EventLoop:
         self._q: list[tuple[int, int, Callable[..., object], tuple[Any, ...]]] = []
         self._seq = 0
         self._trace = hashlib.sha256()
+        self._unhashed: list[str] = []
+        """Traced lines not yet fed to the hash: hashing them in batches gives the same
+        digest (SHA-256 of the concatenation) for a fraction of the calls."""
         self._tail: deque[str] = deque(maxlen=TRACE_TAIL)
 
     def at(self, t: int, fn: Callable[..., object], *args: Any) -> None:
@@ -42,12 +45,19 @@ class EventLoop:
     def trace(self, text: str) -> None:
         """Record an event in the trace hash and the short tail shown on failure."""
         line = f"{self.now} {text}"
-        self._trace.update(line.encode())
+        self._unhashed.append(line)
+        if len(self._unhashed) >= 4096:
+            self._hash_lines()
         self._tail.append(line)
+
+    def _hash_lines(self) -> None:
+        self._trace.update("".join(self._unhashed).encode())
+        self._unhashed.clear()
 
     @property
     def trace_hash(self) -> str:
         """The digest of every traced event so far (16 hex digits)."""
+        self._hash_lines()
         return self._trace.hexdigest()[:16]
 
     @property

@@ -163,6 +163,10 @@ class Network:
     def flush(self, conn: Connection, side: str) -> None:
         """Queue what ``side``'s link produced behind its gate; send what may leave."""
         link = conn.links[side]
+        if not link.has_output:  # the common case: a poll that had nothing to say
+            if len(conn.outputs[side]):
+                self.release(conn, side)
+            return
         data = link.data_to_send()
         if data and conn.alive:
             core = self.nodes[side].core
