@@ -84,6 +84,8 @@ class StreamAgreement:
         self.conflicts: dict[str, bytes] = {}
         self.fresh_from: dict[str, tuple[int, int]] = {}
         """Per member, the oldest record stamp we may use (see `facts.HighWater`)."""
+        self._shared = [d for d in spec.policy.domains if spec.is_shared(d)]
+        """The policy's shared domains (`portable` asks for every record observed)."""
 
     def observe_many(self, records: list[Record]) -> list[Record]:
         """Take (winning) records of other members into the aggregate, in one tree
@@ -134,7 +136,7 @@ class StreamAgreement:
         policy only (any of them, or all when the policy needs all, which only counts
         when every domain of the policy is shared). None: nothing would survive."""
         policy = self.spec.policy
-        shared = [d for d in policy.domains if self.spec.is_shared(d)]
+        shared = self._shared
         if not shared:
             return None
         by_domain = dict(newest)

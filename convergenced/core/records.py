@@ -380,7 +380,9 @@ class View:
         key = record.key
         old = self._records.get(key)
         if old is not None:
-            if not record.supersedes(old):
+            # The same object again is the common duplicate (the wire codec shares
+            # decoded records): it never supersedes itself.
+            if old is record or not record.supersedes(old):
                 return False
             self._digest ^= int.from_bytes(old.fingerprint, "big")
         self._digest ^= int.from_bytes(record.fingerprint, "big")
