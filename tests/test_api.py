@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from convergenced.core import local_api_codec as codec
+from convergenced.core import local_api_results as results
 from convergenced.core.facts import Commit, Declare, Retire, Retract, Undeclare
 from convergenced.core.local_api_codec import ApiError, ErrorKind
 from convergenced.core.spec import Policy, StreamSpec
@@ -189,7 +190,7 @@ def test_error_replies_round_trip_into_typed_errors() -> None:
 
 def test_domain_skew_counts_only_members_that_reported_the_domain() -> None:
     newest = {"a": {"nvme": 10, "s3": 4}, "b": {"nvme": 7}, "c": {}}
-    assert codec.domain_skew(newest) == {"nvme": 3, "s3": 0}
+    assert results.domain_skew(newest) == {"nvme": 3, "s3": 0}
 
 
 def test_the_worked_example_in_local_api_md_matches_the_codec() -> None:

@@ -18,6 +18,7 @@ import trio.testing
 from slowdisk import slow_log
 
 from convergenced.core import local_api_codec as codec
+from convergenced.core import local_api_results as results
 from convergenced.core.admission import Admission
 from convergenced.core.facts import Commit, Declare
 from convergenced.core.gate import OutputGate
@@ -416,13 +417,13 @@ class StateCalls:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.by_stream: dict[str, int] = {}
-        real = codec.status_to_wire
+        real = results.status_to_wire
 
         def counted(status: Any) -> dict[str, Any]:
             self.by_stream[status.stream] = self.by_stream.get(status.stream, 0) + 1
             return real(status)
 
-        monkeypatch.setattr(codec, "status_to_wire", counted)
+        monkeypatch.setattr(results, "status_to_wire", counted)
 
 
 async def test_one_commit_computes_a_watched_stream_once_for_all_its_watchers(

@@ -31,7 +31,7 @@ from typing import Any
 
 import trio
 
-from convergenced.core import local_api_codec as codec
+from convergenced.core import local_api_results as results
 from convergenced.core.admission import Admission, rejected
 from convergenced.core.errors import FactError
 from convergenced.core.facts import Commit, Declare, Fact
@@ -147,7 +147,7 @@ class LocalOperations:
     def state(self, stream: str) -> dict[str, Any]:
         """The state of ``stream`` as this node sees it."""
         self.admission.known(stream)
-        return codec.status_to_wire(self.node.status(stream))
+        return results.status_to_wire(self.node.status(stream))
 
     def streams(self) -> list[str]:
         """Streams declared on this node."""
@@ -208,7 +208,7 @@ class LocalOperations:
                     await self.durable()
                     if froze:
                         self.telemetry.recovered(stream, trio.current_time() - started)
-                    return codec.generation_to_wire(stream, answer)
+                    return results.generation_to_wire(stream, answer)
                 await self.hub.wait_changed()
         self.admission.known(stream)
         answer = self.node.generation(stream, generation)
