@@ -22,10 +22,12 @@ else's work, not for all of it.
 
 Backpressure and stuck clients: the reader stops reading while the replies it
 queued reach ``limits.client_queue``. A client whose replies pile up that high
-while the writer is blocked sending to it has stopped reading: that client alone is
-disconnected (``client_too_slow``), so one stuck process can never stall the
-daemon or any other client. Replies waiting for an fsync are the daemon's own
-doing and never count against a client.
+while its socket takes no bytes for `SEND_STALL_S` has stopped reading: that client
+alone is disconnected (``client_too_slow``), so one stuck process can never stall
+the daemon or any other client. A busy client that pipelines hundreds of commits
+and reads its acknowledgements is never cut: the writer sends in pieces of
+`SEND_PIECE_BYTES`, and any piece taken counts as reading. Replies waiting for an
+fsync never make a client look stuck: only a send that does not move does.
 
 A connection that ends (end of stream or an error on read, a client killed with
 a watch open) ends its waits and watches at once, unanswered: nothing would read
@@ -67,6 +69,10 @@ HEAVY_FRAME_BYTES = 8192
 (a smaller one costs at most a couple of milliseconds, even full of empty maps)."""
 SLICE_BYTES = 8192
 """Bytes of small frames decoded between two turns of the other tasks."""
+SEND_PIECE_BYTES = 16384
+"""The writer sends at most this much per call, so progress is seen per piece."""
+SEND_STALL_S = 5.0
+"""A client over its reply limit whose socket takes no piece for this long is cut."""
 
 
 class ClientSession:
@@ -103,6 +109,10 @@ class ClientSession:
         self._ready = trio.Event()
         self._drained = trio.Event()
         self._sending = False
+        self._pieces_sent = 0
+        """Pieces the client's socket has taken: the writer's progress."""
+        self._stall_watch = False
+        """A `_stall_watchdog` is running."""
         self._slots = trio.Semaphore(self.limit)
         self._inflight: dict[int, tuple[str, trio.CancelScope]] = {}
         self._idle = trio.Event()
@@ -178,8 +188,7 @@ class ClientSession:
                 self._fail(None, reader.failed)
                 return
             while self._queued >= self.limit:
-                if self._stuck():
-                    return
+                self._watch_for_stall()
                 await self._drained.wait()
 
     async def _serve(self, reader: codec.FrameReader, bodies: list[bytes]) -> None:
@@ -336,20 +345,32 @@ class ClientSession:
         self._queued += replies
         self._ready.set()
         if self._queued > self.limit:
-            self._stuck()
+            self._watch_for_stall()
 
-    def _stuck(self) -> bool:
+    def _watch_for_stall(self) -> None:
+        """Over the limit while sending: see whether the client still reads."""
+        if self._stall_watch or not self._sending or self._nursery is None:
+            return
+        if self._nursery.cancel_scope.cancel_called:
+            return  # disconnected already
+        self._stall_watch = True
+        self._nursery.start_soon(self._stall_watchdog)
+
+    async def _stall_watchdog(self) -> None:
         """Disconnect the client if it stopped reading (see the module docstring)."""
-        if not self._sending:
-            return False
-        if self._nursery is not None and self._nursery.cancel_scope.cancel_called:
-            return True  # disconnected already: counted and logged once
-        self.telemetry.api_error("client_too_slow")
-        self.telemetry.warn(
-            "client_too_slow", "client too slow; disconnecting", queued=self._queued
-        )
-        self.kill()
-        return True
+        try:
+            while self._sending and self._queued >= self.limit:
+                taken = self._pieces_sent
+                await trio.sleep(SEND_STALL_S)
+                if self._sending and self._pieces_sent == taken and self._queued >= self.limit:
+                    self.telemetry.api_error("client_too_slow")
+                    self.telemetry.warn(
+                        "client_too_slow", "client too slow; disconnecting", queued=self._queued
+                    )
+                    self.kill()
+                    return
+        finally:
+            self._stall_watch = False
 
     async def _writer(self) -> None:
         out = self._out
@@ -361,8 +382,11 @@ class ClientSession:
                 self._drained.set()
                 self._drained = trio.Event()
                 self._sending = True
+                data = memoryview(b"".join(chunks))
                 try:
-                    await self.stream.send_all(b"".join(chunks))
+                    for start in range(0, len(data), SEND_PIECE_BYTES):
+                        await self.stream.send_all(data[start : start + SEND_PIECE_BYTES])
+                        self._pieces_sent += 1
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     self.kill()
                     return
