@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -483,6 +483,18 @@ class AsyncClient:
     async def next_generation(self, stream: str, timeout: float | None = None) -> dict[str, Any]:
         """See `Client.next_generation`."""
         return dict(await self.call("next_generation", stream=stream, timeout=timeout))
+
+    async def drain(
+        self,
+        node: str,
+        *,
+        streams: Sequence[str] = (),
+        checkpoint: bool = False,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """See `Client.drain`."""
+        return dict(await self.call("drain", node=node, streams=list(streams),
+                                    checkpoint=checkpoint, timeout=timeout))  # fmt: skip
 
     @asynccontextmanager
     async def watch(self, stream: str) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -239,6 +239,26 @@ class Client:
                 does not extend it).
         """
         return dict(self.call("wait", stream=stream, epoch=epoch, timeout=timeout))
+
+    def drain(
+        self,
+        node: str,
+        *,
+        streams: Sequence[str] = (),
+        checkpoint: bool = False,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """Wait until ``node`` (this daemon's own) may go down for maintenance: every
+        stream it is a member of (or each of ``streams``) has a restore point at least
+        as new as its newest epoch here, published by every member. ``checkpoint``
+        asks the jobs for a new checkpoint first and waits for that one.
+
+        Returns ``{"node", "safe", "streams": {stream: {"safe", "target",
+        "restore_point", "knowledge", "reason"}}}``; ``safe`` is false when
+        ``timeout`` ran out first.
+        """
+        return dict(self.call("drain", node=node, streams=list(streams),
+                              checkpoint=checkpoint, timeout=timeout))  # fmt: skip
 
     def restore_point(
         self, stream: str, generation: int, timeout: float | None = None

@@ -19,6 +19,9 @@ still unanswered (`RETRIED`), each of which may be sent twice because:
   ``next_generation``: reads (a wait, restore_point or next_generation keeps what is
   left of its timeout; it is not extended);
 * ``watch``: subscribed again, it starts with the state now;
+* ``drain``: asked again, its targets are fixed anew, never older than before (the
+  epochs the node holds only grow between two losses), and it keeps what is left
+  of its timeout;
 * ``declare``: idempotent for the same spec;
 * ``commit``: a commit the daemon already holds, with the same digest, is
   acknowledged once durable and adds no fact, so it is never counted twice;
@@ -137,12 +140,13 @@ RETRIED = frozenset(
         "restore_point",
         "next_generation",
         "watch",
+        "drain",
     }
 )
 """The operations sent again after a reconnect (see the module docstring for why
 each may be sent twice). Not ``cancel``."""
 
-TIMED = frozenset({"wait", "restore_point", "next_generation"})
+TIMED = frozenset({"wait", "restore_point", "next_generation", "drain"})
 """The operations whose ``timeout`` keeps running through an outage: sent again, they
 carry what is left of it."""
 

@@ -107,6 +107,19 @@ def test_every_operation_parses_into_typed_arguments() -> None:
         "timeout": 3.0,
     }
     assert _parse("cancel", target=4).args == {"target": 4}
+    assert _parse("drain", node="n1", streams=["b", "a", "b"], checkpoint=True).args == {
+        "node": "n1",
+        "streams": ("a", "b"),
+        "checkpoint": True,
+        "timeout": None,
+    }
+    assert _parse("drain", node="n1").args["streams"] == ()
+    for bad in ({"streams": ["a"]}, {"node": "n1", "streams": "a"},
+                {"node": "n1", "streams": ["a"] * 257}, {"node": "n1", "checkpoint": 1},
+                {"node": "n1", "streams": ["-x"]}):  # fmt: skip
+        with pytest.raises(ApiError) as info:
+            _parse("drain", **bad)
+        assert info.value.kind.value == "bad_request", bad
     for op in ("status", "streams"):
         assert _parse(op).args == {}
     assert set(codec.OPS) == {
@@ -122,6 +135,7 @@ def test_every_operation_parses_into_typed_arguments() -> None:
         "restore_point",
         "next_generation",
         "watch",
+        "drain",
         "cancel",
     }
 
@@ -212,7 +226,7 @@ def test_every_operation_of_the_codec_has_one_handler_and_a_kind() -> None:
 
     assert set(OPERATIONS) == set(codec.OPS)
     waits = {op for op, o in OPERATIONS.items() if o.kind is OpKind.WAIT}
-    assert waits == {"wait", "restore_point", "next_generation", "watch"}
+    assert waits == {"wait", "restore_point", "next_generation", "watch", "drain"}
 
 
 @pytest.mark.parametrize(

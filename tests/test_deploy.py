@@ -648,6 +648,7 @@ def test_alert_rules_are_complete() -> None:
         "ConvergencedRollback",
         "ConvergencedRestorePointOld",
         "ConvergencedWalFsyncSlow",
+        "ConvergencedDrainUnsafe",
     } <= set(names)
     for r in rules:
         assert r["labels"]["severity"] in {"critical", "warning"}, r["alert"]
@@ -698,6 +699,10 @@ def test_alerts_fire_when_they_should(tmp_path: Path) -> None:
                 series(bucket, "0+200x20", le="0.05", instance="n2"),
                 series(bucket, "0+200x20", le="0.5", instance="n2"),
                 series(bucket, "0+200x20", le="+Inf", instance="n2"),
+                # n1 cannot be drained for 20 minutes; n2 only for a few.
+                series("convergenced_drain_safe", "0x20", stream="a", **n1),
+                series("convergenced_drain_safe", "1x20", stream="b", **n1),
+                series("convergenced_drain_safe", "1 0 0 0 1x16", stream="a", instance="n2"),
             ],
             "alert_rule_test": [
                 {
@@ -731,6 +736,11 @@ def test_alerts_fire_when_they_should(tmp_path: Path) -> None:
                     "eval_time": "3m",
                     "alertname": "ConvergencedRecordsRejected",
                     "exp_alerts": [{"exp_labels": warning | n1 | {"reason": "unsigned"}}],
+                },
+                {
+                    "eval_time": "16m",
+                    "alertname": "ConvergencedDrainUnsafe",
+                    "exp_alerts": [{"exp_labels": warning | n1}],
                 },
                 {
                     "eval_time": "18m",
@@ -909,6 +919,8 @@ class _StateOfOneStream:
             "newest": {"a": {"nvme": 7}},
             "stored_bytes": {"nvme": 4096},
             "stored_epochs": {"nvme": 3},
+            "drain_safe": False,
+            "checkpoint_requested": {"after": 7},
         }
 
     def node_id(self) -> str:

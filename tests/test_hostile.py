@@ -667,6 +667,7 @@ OP_ARGS: dict[str, tuple[str, ...]] = {
     "restore_point": ("stream", "generation", "timeout"),
     "next_generation": ("stream", "timeout"),
     "watch": ("stream",),
+    "drain": ("node", "streams", "checkpoint", "timeout"),
     "cancel": ("target",),
 }
 assert set(OP_ARGS) == set(codec.OPS)
@@ -729,6 +730,9 @@ GOOD_ARGS: dict[str, st.SearchStrategy[Any]] = {
     "timeout": st.one_of(st.none(), st.floats(0, 0.2), st.just(604801)),
     "target": st.integers(0, 8),
     "spec": specs(),
+    "node": st.one_of(st.just("node-1"), NAMES),
+    "streams": st.lists(NAMES, max_size=3),
+    "checkpoint": st.booleans(),
 }
 BAD_VALUES = st.one_of(BAD_NAMES, INTS, FLOATS, VALUES)
 

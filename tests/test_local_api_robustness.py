@@ -419,9 +419,9 @@ class StateCalls:
         self.by_stream: dict[str, int] = {}
         real = results.status_to_wire
 
-        def counted(status: Any) -> dict[str, Any]:
+        def counted(status: Any, checkpoint_after: int | None = None) -> dict[str, Any]:
             self.by_stream[status.stream] = self.by_stream.get(status.stream, 0) + 1
-            return real(status)
+            return real(status, checkpoint_after)
 
         monkeypatch.setattr(results, "status_to_wire", counted)
 

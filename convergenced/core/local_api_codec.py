@@ -48,6 +48,7 @@ from convergenced.core.validate import (
     INT64_MAX,
     as_bool,
     as_int,
+    as_list,
     as_map,
     as_name,
     as_str,
@@ -430,6 +431,20 @@ def _next_generation(a: Mapping[Any, Any], p: str) -> dict[str, Any]:
     return out
 
 
+MAX_DRAIN_STREAMS = 256
+"""Streams one drain request may name."""
+
+
+def _drain(a: Mapping[Any, Any], p: str) -> dict[str, Any]:
+    names = as_list(a.get("streams", []), f"{p}.streams", max_len=MAX_DRAIN_STREAMS)
+    return {
+        "node": as_name(a.get("node"), f"{p}.node"),
+        "streams": tuple(sorted({_name(n, f"{p}.streams[{i}]") for i, n in enumerate(names)})),
+        "checkpoint": as_bool(a.get("checkpoint", False), f"{p}.checkpoint"),
+        "timeout": _timeout(a, p),
+    }
+
+
 def _cancel(a: Mapping[Any, Any], p: str) -> dict[str, Any]:
     return {"target": as_int(a.get("target"), f"{p}.target")}
 
@@ -455,6 +470,7 @@ _OPS: dict[str, tuple[Any, frozenset[str]]] = {
     "restore_point": (_restore_point, frozenset(("stream", "generation", "timeout"))),
     "next_generation": (_next_generation, frozenset(("stream", "timeout"))),
     "watch": (_stream, frozenset(("stream",))),
+    "drain": (_drain, frozenset(("node", "streams", "checkpoint", "timeout"))),
     "cancel": (_cancel, frozenset(("target",))),
 }
 OPS = tuple(_OPS)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from convergenced.core.drain import DrainAnswer, drain_target, judge_stream
 from convergenced.core.interval_set import IntervalSet
 from convergenced.core.node import GenerationAnswer, StreamStatus
 
@@ -16,8 +17,10 @@ def intervals(s: IntervalSet | None) -> list[list[int]] | None:
     return None if s is None else [[lo, hi] for lo, hi in s.ranges]
 
 
-def status_to_wire(s: StreamStatus) -> dict[str, Any]:
-    """The ``state`` result: everything one stream looks like from this node."""
+def status_to_wire(s: StreamStatus, checkpoint_after: int | None = None) -> dict[str, Any]:
+    """The ``state`` result: everything one stream looks like from this node;
+    ``checkpoint_after``: a drain asks the job for a checkpoint newer than this
+    (`drain.CheckpointRequests.pending`)."""
     return {
         "stream": s.stream,
         "spec": s.spec.to_wire(),
@@ -46,6 +49,28 @@ def status_to_wire(s: StreamStatus) -> dict[str, Any]:
         # domain of the policy: the sizes their commits stated, and the epochs.
         "stored_bytes": {d: st.bytes for d, st in s.stored.items()},
         "stored_epochs": {d: st.epochs for d, st in s.stored.items()},
+        # The drain gate (`drain`): would draining this node now lose no epoch it
+        # holds, and does a drain ask the job for a checkpoint?
+        "drain_safe": judge_stream(s, drain_target(s, checkpoint=False)).safe,
+        "checkpoint_requested": None if checkpoint_after is None else {"after": checkpoint_after},
+    }
+
+
+def drain_to_wire(answer: DrainAnswer) -> dict[str, Any]:
+    """The ``drain`` result."""
+    return {
+        "node": answer.node,
+        "safe": answer.safe,
+        "streams": {
+            v.stream: {
+                "safe": v.safe,
+                "target": v.target,
+                "restore_point": v.restore_point,
+                "knowledge": v.knowledge.name.lower(),
+                "reason": v.reason,
+            }
+            for v in answer.streams
+        },
     }
 
 

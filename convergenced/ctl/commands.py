@@ -14,6 +14,7 @@ Every subcommand is one request to the daemon through `convergenced.client.Clien
     convergencectl next-generation job
     convergencectl restore-point job 3 --timeout 60
     convergencectl watch job --json | jq .restore_point
+    convergencectl gate node-3 --checkpoint --timeout 600
     convergencectl top job
 
 Output is short text for people; with ``--json`` (before or after the subcommand)
@@ -30,7 +31,8 @@ Exit codes:
 
 * 0: done (``watch``, ``top``: stopped by ``--count``, Ctrl-C or a closed output pipe).
 * 1: failed: the daemon answered with an error (rejected, timeout, ...); ``top``
-  without STREAM on a node with no stream declared.
+  without STREAM on a node with no stream declared; ``gate``: the drain is not safe
+  within its timeout.
 * 2: usage: bad arguments (argparse errors, an unreadable or invalid spec file).
 * 3: daemon unreachable: nothing listens on the socket, the connection was lost
   mid-request, or the daemon is shutting down.
@@ -56,6 +58,7 @@ from convergenced.client import ApiError, Client, DaemonUnreachable
 from convergenced.ctl.formatting import (
     _fail,
     _format_fact,
+    format_drain,
     format_restore_point,
     format_state,
     format_status,
@@ -142,6 +145,14 @@ def _watch(client: Client, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _gate(client: Client, args: argparse.Namespace) -> int:
+    """Wait for the drain gate; exit 0 only when the drain is safe (fail closed)."""
+    result = client.drain(args.node, streams=args.stream, checkpoint=args.checkpoint,
+                          timeout=args.timeout)  # fmt: skip
+    print(_dumps(result) if args.json else format_drain(result), flush=True)
+    return EXIT_OK if result["safe"] else EXIT_FAILED
+
+
 def _request(args: argparse.Namespace) -> int:
     """Connect, make the request, print the result; exceptions go to `_run`."""
     # No reconnecting: a command reports a daemon that went away at once (exit 3), and
@@ -151,6 +162,8 @@ def _request(args: argparse.Namespace) -> int:
             return _watch(client, args)
         if args.command == "top":
             return _top(client, args)
+        if args.command == "gate":
+            return _gate(client, args)
         command = COMMANDS[args.command]
         result = command.call(client, args)
         text = _dumps(result) if args.json else command.show(result, args)

@@ -276,7 +276,23 @@ def format_watch_event(st: Mapping[str, Any]) -> str:
         line += f", missing {', '.join(st['missing'])}"
     if st["conflicts"]:
         line += f", conflicts {', '.join(m for m, _ in st['conflicts'])}"
+    if st.get("checkpoint_requested"):
+        line += f", checkpoint requested after {st['checkpoint_requested']['after']}"
     return line
+
+
+def format_drain(r: Mapping[str, Any]) -> str:
+    """The ``drain`` result for people: the verdict, then one line per stream."""
+    verdict = "safe to drain" if r["safe"] else "NOT safe to drain"
+    lines = [f"{r['node']}: {verdict}"]
+    if not r["streams"]:
+        lines.append("  (a member of no stream)")
+    for name, v in sorted(r["streams"].items()):
+        mark = "ok" if v["safe"] else "waiting"
+        why = f": {v['reason']}" if v["reason"] else ""
+        lines.append(f"  {name}: {mark}, target {v['target']}, restore point "
+                     f"{_value(v['restore_point'])} ({v['knowledge']}){why}")  # fmt: skip
+    return "\n".join(lines)
 
 
 def format_restore_point(r: Mapping[str, Any]) -> str:

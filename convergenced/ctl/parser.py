@@ -200,8 +200,42 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("stream", metavar="STREAM")
     p.add_argument("--count", type=_natural, metavar="N", help="stop after N events")
+    _add_gate(add)
     _add_top(add)
     return parser
+
+
+def _add_gate(add: Callable[[str, str, str], argparse.ArgumentParser]) -> None:
+    p = add(
+        "gate",
+        "wait until NODE may be drained for maintenance",
+        "Wait until NODE may go down for maintenance without losing work: every stream "
+        "NODE is a member of (or each --stream) has a restore point at least as new as "
+        "the newest epoch NODE held when asked, and every member has published it. Ask "
+        "NODE's own daemon (its socket). With --checkpoint the jobs are asked to save a "
+        "new checkpoint now (an event on watch) and the gate waits for that one. Exit 0 "
+        "when the drain is safe, 1 when it is not within --timeout (the gate fails "
+        "closed) or NODE is not this daemon's node.",
+    )
+    p.add_argument("node", metavar="NODE", help="the node to drain: this daemon's node id")
+    p.add_argument(
+        "--stream",
+        action="append",
+        default=[],
+        metavar="S",
+        help="judge only stream S (repeatable; default: every stream NODE is a member of)",
+    )
+    p.add_argument(
+        "--checkpoint",
+        action="store_true",
+        help="ask the jobs for a new checkpoint and wait for it to be agreed",
+    )
+    p.add_argument(
+        "--timeout",
+        type=_seconds,
+        metavar="S",
+        help="give up after S seconds and exit 1 (default: wait for ever)",
+    )
 
 
 def _add_top(add: Callable[[str, str, str], argparse.ArgumentParser]) -> None:

@@ -77,6 +77,11 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("stored_epochs", "gauge", ("stream", "domain"), "epochs at least one of this node's "
        "ranks holds in the domain (committed, neither retracted nor retired): what GC "
        "keeps, to compare with the retention"),
+    _m("drain_safe", "gauge", S, "1 when draining this node now would lose no epoch it holds "
+       "of the stream: its newest recoverable epoch is the restore point and every member "
+       "published it (what `convergencectl gate` waits for; 0 blocks a drain)"),
+    _m("checkpoint_requested", "gauge", S, "1 while a drain of this node waits for the job "
+       "to save a new checkpoint"),
     # -- events of each stream
     _m("recovery_seconds", "gauge", S, "last recovery generation, first request to agreed "
        "answer (RTO as this daemon sees it)"),
@@ -94,6 +99,8 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("membership_changes", "counter", S, "new member maps this node moved to (a spare "
        "replaced a host, the job shrank or grew); the log line `membership changed` names "
        "the members that left, joined and replaced others"),
+    _m("drain_requests", "counter", ("outcome",), "drain gate requests answered: `safe`, "
+       "or `timeout` (not safe in time: the gate failed closed)"),
     _m("state_losses", "counter", (), "times this node learned of a life of its own it did not "
        "remember (its state directory was lost) and rose above it"),
     # -- peers
@@ -204,6 +211,9 @@ class StateCollector(Collector):
             age = src.restore_point_age(stream)
             if rp is not None and age is not None:
                 gauge("restore_point_age_seconds", [stream], age)
+            gauge("drain_safe", [stream], 1.0 if s["drain_safe"] else 0.0)
+            requested = s["checkpoint_requested"] is not None
+            gauge("checkpoint_requested", [stream], 1.0 if requested else 0.0)
             own = s["newest"].get(src.node_id(), {})
             if rp is not None and own:
                 gauge("rpo_epochs", [stream], max(0, max(own.values()) - rp))

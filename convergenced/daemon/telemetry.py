@@ -94,6 +94,9 @@ class Telemetry:
         self.wal_entries = _counter("wal_entries", r)
         self.wal_compactions = _counter("wal_compactions", r)
         self.wal_compactions_deferred = _counter("wal_compactions_deferred", r)
+        self.drains = _counter("drain_requests", r)
+        for outcome in ("safe", "timeout"):
+            self.drains.labels(outcome=outcome)
         rtt, fsync, rec = spec("peer_exchange_rtt_seconds"), spec("wal_fsync_duration_seconds"), \
             spec("recovery_seconds")  # fmt: skip
         self.exchange_rtt = Histogram(rtt.name, rtt.help, list(rtt.labels),
@@ -179,6 +182,10 @@ class Telemetry:
     def recovered(self, stream: str, seconds: float) -> None:
         """A recovery generation this node asked for was answered after ``seconds``."""
         self.recovery.labels(stream=stream).set(seconds)
+
+    def drain_answered(self, safe: bool) -> None:
+        """A drain request was answered: safe, or not before its timeout."""
+        self.drains.labels(outcome="safe" if safe else "timeout").inc()
 
     # -- the node's events -----------------------------------------------------------
 
@@ -319,7 +326,8 @@ class Telemetry:
         ``peer_rejected_<reason>``
         (protocol violations), ``records_rejected_<reason>``, ``peer_reconnects``,
         ``rollbacks``, ``spec_conflicts``, ``membership_changes``, ``wal_fsyncs``, ``wal_entries``,
-        ``wal_compactions``. Counters still at zero are left out.
+        ``wal_compactions``, ``drain_requests_<outcome>``. Counters still at zero are
+        left out.
         """
         out: dict[str, int] = {}
 
@@ -335,6 +343,8 @@ class Telemetry:
             add(f"api_errors_{labels['reason']}", v)
         for labels, v in _samples(self.records_rejected):
             add(f"records_rejected_{labels['reason']}", v)
+        for labels, v in _samples(self.drains):
+            add(f"drain_requests_{labels['outcome']}", v)
         for labels, v in _samples(self.frames_rejected):
             reason = labels["reason"]
             if reason == TOO_MANY_CONNECTIONS:

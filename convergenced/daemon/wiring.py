@@ -17,7 +17,6 @@ from typing import Any
 import trio
 
 from convergenced import __version__
-from convergenced.core import local_api_results as results
 from convergenced.core.admission import Admission
 from convergenced.core.gate import OutputGate
 from convergenced.core.node import NodeCore
@@ -59,7 +58,7 @@ class Running:
 
     def stream_state(self, stream: str) -> dict[str, Any]:
         """The ``state`` of ``stream``."""
-        return results.status_to_wire(self.node.status(stream))
+        return self.operations.state(stream)
 
     def node_id(self) -> str:
         """This node."""

@@ -24,6 +24,8 @@
   on those checkpoints.
 - `convergenced.integrations.torchtitan`: torchtitan's checkpoint manager, loading the
   agreed step, committing its DCP saves and purging only what the daemon says is safe.
+- `convergenced.integrations.drain`: whether a drain of this node asks the job for a
+  checkpoint now, for the training loop to save at once.
 
 Integrations never import a training framework unless it is used.
 """

@@ -12,8 +12,8 @@ a session runs it:
 * ``READ`` (status, streams, state): a task of its own; the reply shows the state
   at that instant and, like every reply, waits for the fsync of anything it may
   reveal;
-* ``WAIT`` (wait, restore_point, next_generation, watch): a task that may wait
-  for the cluster; ended with ``unavailable`` at shutdown;
+* ``WAIT`` (wait, restore_point, next_generation, watch, drain): a task that may
+  wait for the cluster; ended with ``unavailable`` at shutdown;
 * ``SESSION`` (cancel): addresses the session's own requests; the session answers
   it itself.
 
@@ -33,6 +33,7 @@ import trio
 
 from convergenced.core import local_api_results as results
 from convergenced.core.admission import Admission, rejected
+from convergenced.core.drain import CheckpointRequests, drain_target, judge, member_streams
 from convergenced.core.errors import FactError
 from convergenced.core.facts import Commit, Declare, Fact
 from convergenced.core.local_api_codec import ApiError, ErrorKind
@@ -75,6 +76,8 @@ class LocalOperations:
         self._status = status
         self.feeds: dict[str, StreamFeed] = {}
         """The watched streams' feeds, while a watch of them is open."""
+        self.checkpoints = CheckpointRequests()
+        """The checkpoints drains in progress ask the jobs for."""
 
     # -- facts ------------------------------------------------------------------
 
@@ -147,7 +150,8 @@ class LocalOperations:
     def state(self, stream: str) -> dict[str, Any]:
         """The state of ``stream`` as this node sees it."""
         self.admission.known(stream)
-        return results.status_to_wire(self.node.status(stream))
+        status = self.node.status(stream)
+        return results.status_to_wire(status, self.checkpoints.pending(status))
 
     def streams(self) -> list[str]:
         """Streams declared on this node."""
@@ -249,6 +253,57 @@ class LocalOperations:
             f"heard from {unheard} since it started",
         )
 
+    async def drain(
+        self, node: str, streams: Sequence[str], checkpoint: bool, timeout: float | None
+    ) -> dict[str, Any]:
+        """Wait until ``node`` (this one) may go down for maintenance (`core.drain`):
+        every stream it is a member of (or those of ``streams``) has a restore point
+        at least its target that every member published. With ``checkpoint``, the
+        jobs are asked for a new checkpoint (``checkpoint_requested`` in their state)
+        and the target is that checkpoint. Returns the answer, ``safe`` false when
+        ``timeout`` ran out first (the gate fails closed).
+
+        Raises:
+            ApiError: ``wrong_node`` (the gate answers for its own node only),
+                ``unknown_stream``.
+        """
+        me = self.node.node_id
+        if node != me:
+            raise ApiError(ErrorKind.REJECTED, "wrong_node",
+                           f"this daemon is {me}: ask the daemon of {node} whether it "
+                           "may drain (only it knows every stream it is a member of)")  # fmt: skip
+        for stream in streams:
+            self.admission.known(stream)
+
+        def statuses() -> list[Any]:
+            declared = [s for s in self.node.streams() if not streams or s in streams]
+            return member_streams(me, [self.node.status(s) for s in declared])
+
+        targets = {s.stream: drain_target(s, checkpoint=checkpoint) for s in statuses()}
+        asked = {name: t - 1 for name, t in targets.items() if checkpoint}
+        for name, after in asked.items():
+            self.checkpoints.ask(name, after)
+        if asked:
+            self.hub.view_changed()  # the watchers of those streams see the request
+        try:
+            with trio.move_on_after(math.inf if timeout is None else timeout):
+                while True:
+                    now = [s for s in statuses() if s.stream in targets]
+                    answer = judge(me, now, targets)
+                    if answer.safe:
+                        await self.durable()
+                        break
+                    await self.hub.wait_changed()
+            now = [s for s in statuses() if s.stream in targets]
+            answer = judge(me, now, targets)
+            self.telemetry.drain_answered(answer.safe)
+            return results.drain_to_wire(answer)
+        finally:
+            for name, after in asked.items():
+                self.checkpoints.withdraw(name, after)
+            if asked:
+                self.hub.view_changed()
+
     async def watch(self, stream: str, emit: Emit) -> None:
         """Emit the state now and after every change, until cancelled.
 
@@ -309,6 +364,10 @@ async def _next_generation(ops: LocalOperations, a: Args, emit: Emit) -> Any:
     return await ops.next_generation(a["stream"], a["timeout"])
 
 
+async def _drain(ops: LocalOperations, a: Args, emit: Emit) -> Any:
+    return await ops.drain(a["node"], a["streams"], a["checkpoint"], a["timeout"])
+
+
 async def _watch(ops: LocalOperations, a: Args, emit: Emit) -> Any:
     await ops.watch(a["stream"], emit)
 
@@ -338,6 +397,7 @@ OPERATIONS: dict[str, Operation] = {
     "restore_point": Operation(OpKind.WAIT, _restore_point),
     "next_generation": Operation(OpKind.WAIT, _next_generation),
     "watch": Operation(OpKind.WAIT, _watch),
+    "drain": Operation(OpKind.WAIT, _drain),
     "cancel": Operation(OpKind.SESSION, _session),
 }
 """Every operation of the local API, by name."""
