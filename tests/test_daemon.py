@@ -161,7 +161,9 @@ class Committer(threading.Thread):
     def run(self) -> None:
         epoch = 0
         try:
-            with Client(self.socket_path) as c:
+            # No reconnecting: a kill ends the burst at once (else each killed
+            # daemon's committer would wait out the reconnect bound).
+            with Client(self.socket_path, reconnect=0) as c:
                 while not self.stop.is_set():
                     epoch += 1
                     c.commit("job", self.rank, "nvme", epoch)
