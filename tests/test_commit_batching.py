@@ -289,3 +289,18 @@ async def test_a_client_that_stops_reading_its_acks_is_disconnected(
             await trio.sleep(SEND_STALL_S)
             nursery.cancel_scope.cancel()
     assert d.telemetry.counters()["api_errors_client_too_slow"] == 1
+
+
+async def test_a_poll_with_timeout_0_gets_a_generation_resolved_in_time(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    # A one-member stream resolves its generation at the first request, but the
+    # freeze is still on its way to disk when a zero timeout runs out: the answer
+    # stands (after the fsync), it is not a timeout.
+    d = Daemon(tmp_path)
+    for rank in range(4):
+        for domain in ("nvme", "s3"):
+            d.gate.apply(Commit("job", rank, domain, 5))
+    answer = await d.ops.restore_point("job", 1, 0)
+    assert (answer["resolved"], answer["restore_point"]) == (True, 5)
+    assert await d.ops.next_generation("job", 0) == {"stream": "job", "generation": 2}

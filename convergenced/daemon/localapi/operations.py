@@ -216,6 +216,13 @@ class LocalOperations:
                 await self.hub.wait_changed()
         self.admission.known(stream)
         answer = self.node.generation(stream, generation)
+        if answer.resolved:
+            # Resolved in time, but the timeout ran out while its last facts were
+            # being made durable (a poll with timeout 0): the answer stands.
+            await self.durable()
+            if froze:
+                self.telemetry.recovered(stream, trio.current_time() - started)
+            return results.generation_to_wire(stream, answer)
         unheard = self.node.waiting_to_freeze(stream)
         why = (f"this node has not heard from {', '.join(unheard)} since it started"
                if unheard else f"it still waits for the frozen sets of "
@@ -245,6 +252,13 @@ class LocalOperations:
                     await self.durable()
                     return {"stream": stream, "generation": generation}
                 await self.hub.wait_changed()
+        try:
+            generation = self.node.next_generation(stream)
+        except FactError as exc:
+            raise rejected(exc) from None
+        if generation is not None:  # found in time; the timeout ran out in the fsync
+            await self.durable()
+            return {"stream": stream, "generation": generation}
         unheard = ", ".join(self.node.waiting_to_freeze(stream))
         raise ApiError(
             ErrorKind.TIMEOUT,
