@@ -737,7 +737,7 @@ def render(sw: dict[str, Any], gossip: list[dict[str, Any]], an: dict[str, Any])
             f"{_fmt(r.get('record_copies_per_node_origin_median'), '.2f'):>6} "
             f"{r['wall_s_median']:>8.1f}s {r['cpu_s_median']:>6.1f}s "
             f"{_fmt(r['warmup_wall_s_median'], '.1f'):>7}s "
-            f"{_fmt(r['agree_wall_s_median'], '.1f'):>6}s {r['events_median']:>8g} "
+            f"{_fmt(r['agree_wall_s_median'], '.1f'):>6}s {r['events_median']:>8.0f} "
             f"{r['max_rss_mb']:>5.0f}MB {_fmt(r.get('frames_per_cpu_s_median'), '.0f'):>12}"
         )
     lines.append(
