@@ -300,16 +300,15 @@ class LocalOperations:
         if asked:
             self.hub.view_changed()  # the watchers of those streams see the request
         try:
+
+            def judged() -> Any:  # streams undeclared meanwhile drop out
+                return judge(me, [s for s in statuses() if s.stream in targets], targets)
+
             with trio.move_on_after(math.inf if timeout is None else timeout):
-                while True:
-                    now = [s for s in statuses() if s.stream in targets]
-                    answer = judge(me, now, targets)
-                    if answer.safe:
-                        await self.durable()
-                        break
+                while not judged().safe:
                     await self.hub.wait_changed()
-            now = [s for s in statuses() if s.stream in targets]
-            answer = judge(me, now, targets)
+                await self.durable()
+            answer = judged()
             self.telemetry.drain_answered(answer.safe)
             return results.drain_to_wire(answer)
         finally:
