@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable
 
 from convergenced.core.agreement import Decision, Knowledge
 from convergenced.core.commits import Verdict, judge
+from convergenced.core.compaction import Compaction
 from convergenced.core.declarations import Declarations
 from convergenced.core.errors import FactError, UnknownStreamError
 from convergenced.core.events import (
@@ -85,7 +86,7 @@ __all__ = [
 ]
 
 
-class NodeCore(Declarations, EarlierLives, GenerationRequests):
+class NodeCore(Declarations, EarlierLives, GenerationRequests, Compaction):
     """One node's protocol state. See the module docstring for the contract."""
 
     def __init__(
@@ -349,48 +350,6 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests):
                 fresh = st.agreement.fresh_from.get(member)
                 if fresh is None or (inc, ver) > fresh:
                     st.agreement.fresh_from[member] = (inc, ver)
-
-    def compacted_facts(self) -> list[Fact]:
-        """The shortest list of facts whose `replay` rebuilds this node's local state.
-
-        Used by log compaction: per stream, the declaration, one `RankState` per
-        (rank, domain), the digests and sizes held (as commits), the open frozen sets,
-        the generation closure, and one high-water mark carrying the merged evidence;
-        then the generation floor of every stream undeclared here.
-        Replaying them gives the same facts, the same refusals (retired epochs stay
-        retired), the same repeats and, after a restart, the same protection against
-        stale records as replaying the full log.
-        """
-        out: list[Fact] = []
-        for name in sorted(self._streams):
-            f = self._streams[name].facts
-            out.append(Declare(f.spec))
-            if self._lives.unsure and self._streams[name].settled:
-                out.append(Settled(name))
-            out.extend(f.compacted())
-            # The digests and sizes held, as commits, each before the frozen sets of
-            # the generations frozen after it was applied (see `Content.after`).
-            commits = f.content_commits()
-            for g, s in f.generations.open_sets():
-                out.extend(c for after, c in commits if after is None or after < g)
-                commits = [(after, c) for after, c in commits if after is not None and after >= g]
-                out.append(Freeze(name, g, s))
-            out.extend(c for _, c in commits)
-            if f.generations.closed_below:
-                out.append(CloseGenerations(name, f.generations.closed_below))
-            if f.high_water is not None:
-                evidence = tuple((m, i, v) for m, (i, v) in sorted(f.evidence.items()))
-                mhw = f.membership_high_water
-                if mhw == f.high_water:
-                    out.append(HighWater(name, f.high_water, evidence, f.spec.membership))
-                else:
-                    out.append(HighWater(name, f.high_water, evidence, None))
-                    if mhw is not None:
-                        out.append(HighWater(name, mhw, (), f.spec.membership))
-            if f.horizon is not None:
-                out.append(Horizon(name, f.horizon))
-        out.extend(CloseGenerations(n, b) for n, b in sorted(self._generation_floors.items()))
-        return out
 
     # -- records from peers ---------------------------------------------------
 
