@@ -26,6 +26,10 @@ copy of them. The rules on top of the core's own checks:
 * a retirement records a deletion the daemon allowed: an epoch that is not in
   ``safe_to_delete`` is refused (deleting anything else is a loss, which a
   retraction reports, and which may roll the restore point back);
+* a stream name under ``convergenced.versions/`` is the daemon's own
+  (``reserved_stream``): a job may not declare it or commit to it;
+* a component report names a component of the configuration's catalogues and
+  versions that its catalogue lists (``unknown_component``, ``unknown_version``);
 * a fact the node already holds, sent again (a declaration of the spec declared, a
   commit of an epoch held with nothing else to say, see `commits`), is a *repeat*:
   acknowledged, and neither applied nor logged again. Its reply, like every reply,
@@ -40,11 +44,20 @@ from typing import Any
 
 from convergenced.core.commits import Verdict, check_digest
 from convergenced.core.errors import FactError, SpecConflictError, SpecError
-from convergenced.core.facts import Commit, Declare, Fact, Incarnation, Retire, Retract
+from convergenced.core.facts import (
+    Commit,
+    ComponentReport,
+    Declare,
+    Fact,
+    Incarnation,
+    Retire,
+    Retract,
+)
 from convergenced.core.gate import OutputGate
 from convergenced.core.limits import MAX_MEMBERS
 from convergenced.core.local_api_codec import ApiError, ErrorKind
 from convergenced.core.node import NodeCore
+from convergenced.core.versions import check_report, is_reserved
 
 DEFAULT_MAX_STREAMS = 1024
 DEFAULT_MAX_MEMBERS = MAX_MEMBERS
@@ -175,12 +188,16 @@ class Admission:
                     "under the same epoch: retract the epoch first if it was rewritten)",
                 )
             return verdict is Verdict.REPEAT
+        if isinstance(fact, ComponentReport):
+            return self.node.reports().get(fact.component) == fact
         return False
 
     @staticmethod
     def _reply(fact: Fact) -> dict[str, Any]:
         if isinstance(fact, Declare):
             return {"stream": fact.spec.name, "digest": fact.spec.digest.hex()}
+        if isinstance(fact, ComponentReport):
+            return {"component": fact.component, "durable": True}
         if isinstance(fact, Commit | Retract | Retire):
             return {"stream": fact.stream, "epoch": fact.epoch, "durable": True}
         assert not isinstance(fact, Incarnation)  # the core refuses it: never a client's
@@ -230,6 +247,20 @@ class Admission:
             )
 
     def _admit(self, fact: Fact) -> None:
+        if isinstance(fact, ComponentReport):
+            try:
+                check_report(fact, self.node.catalogues.get(fact.component))
+            except FactError as exc:
+                raise rejected(exc) from None
+            return
+        stream = fact.spec.name if isinstance(fact, Declare) else getattr(fact, "stream", "")
+        if is_reserved(stream):
+            raise ApiError(
+                ErrorKind.REJECTED,
+                "reserved_stream",
+                f"stream {stream!r}: names under 'convergenced.versions/' belong to the "
+                "daemon (the version handshake of each job); choose another name",
+            )
         if isinstance(fact, Declare):
             name = fact.spec.name
             members = len(fact.spec.members)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from convergenced.core.facts import (
     CloseGenerations,
+    ComponentReport,
     Declare,
     Fact,
     Freeze,
@@ -26,6 +27,7 @@ class Compaction:
     _streams: dict[str, StreamState]
     _generation_floors: dict[str, int]
     _lives: PastLives
+    _reports: dict[str, ComponentReport]
 
     def compacted_facts(self) -> list[Fact]:
         """The shortest list of facts whose `replay` rebuilds this node's local state.
@@ -38,7 +40,7 @@ class Compaction:
         retired), the same repeats and, after a restart, the same protection against
         stale records as replaying the full log.
         """
-        out: list[Fact] = []
+        out: list[Fact] = [self._reports[c] for c in sorted(self._reports)]
         for name in sorted(self._streams):
             f = self._streams[name].facts
             out.append(Declare(f.spec))

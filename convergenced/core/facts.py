@@ -228,6 +228,17 @@ class Settled:
     stream: str
 
 
+@dataclass(frozen=True, slots=True)
+class ComponentReport:
+    """This node runs version ``running`` of ``component`` (a driver, a firmware, ...)
+    and works beside peers that run any of ``accepts`` (`versions`). The latest report
+    of a component replaces the one before."""
+
+    component: str
+    running: str
+    accepts: tuple[str, ...]
+
+
 Fact = (
     Declare
     | Undeclare
@@ -241,6 +252,7 @@ Fact = (
     | RankState
     | Incarnation
     | Settled
+    | ComponentReport
 )
 EpochFact = Commit | Retract | Retire
 

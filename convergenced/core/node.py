@@ -45,6 +45,7 @@ from convergenced.core.events import (
 from convergenced.core.facts import (
     CloseGenerations,
     Commit,
+    ComponentReport,
     Content,
     Declare,
     Fact,
@@ -67,10 +68,12 @@ from convergenced.core.generations import (
 from convergenced.core.interval_set import IntervalSet
 from convergenced.core.limits import MAX_RANGES
 from convergenced.core.lives import EarlierLives, PastLives
+from convergenced.core.node_versions import NodeVersions
 from convergenced.core.records import Record, View
 from convergenced.core.spec import StreamSpec
 from convergenced.core.status import StreamStatus, describe
 from convergenced.core.stream_state import StreamState
+from convergenced.core.versions import Catalogue, check_report_shape
 
 __all__ = [
     "GenerationAnswer",
@@ -86,7 +89,7 @@ __all__ = [
 ]
 
 
-class NodeCore(Declarations, EarlierLives, GenerationRequests, Compaction):
+class NodeCore(Declarations, EarlierLives, GenerationRequests, NodeVersions, Compaction):
     """One node's protocol state. See the module docstring for the contract."""
 
     def __init__(
@@ -97,6 +100,7 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests, Compaction):
         sign: Callable[[Record], Record] | None = None,
         verify: Callable[[Record, str | None], str | None] | None = None,
         unsure_of_past: bool = False,
+        catalogues: Iterable[Catalogue] = (),
     ) -> None:
         """Args:
         node_id: this node.
@@ -110,6 +114,8 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests, Compaction):
             returns why it must not be merged (a short reason) or None. Rejected
             records change nothing; the function does the cryptography (and counts
             the rejection), the core stays free of it.
+        catalogues: the fleet's versions of each component, oldest first, for the
+            version constraint sets (`versions`).
         """
         self.node_id = node_id
         self.incarnation = incarnation
@@ -124,6 +130,9 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests, Compaction):
         self._links: dict[str, int] = {}
         self._lives = PastLives(node_id, unsure_of_past)
         self._started_at = incarnation
+        self._catalogues = {c.component: c for c in catalogues}
+        self._reports: dict[str, ComponentReport] = {}
+        self._version_problems: dict[str, str] = {}
         """Lives of ours at or above this one are lives this process does not remember."""
 
     # -- pulling output -------------------------------------------------------
@@ -181,6 +190,9 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests, Compaction):
         if isinstance(fact, Undeclare):
             self._check_undeclare(fact)
             return
+        if isinstance(fact, ComponentReport):
+            check_report_shape(fact)
+            return
         st = self._streams.get(fact.stream)
         if st is None and isinstance(fact, CloseGenerations):
             return  # the generation floor of a stream undeclared here (compaction)
@@ -215,8 +227,10 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests, Compaction):
             FactError, SpecError, SpecConflictError: refused; nothing changed.
         """
         name = self._apply(fact)
-        if name in self._streams:  # not after an undeclaration
-            self._refresh(name)
+        touched = [name, *self._reconcile_versions()] if self._triggers(fact) else [name]
+        for name in touched:
+            if name in self._streams:  # not after an undeclaration
+                self._refresh(name)
 
     def apply_many(self, facts: Iterable[Fact]) -> None:
         """Apply facts in order, then re-evaluate each stream they touched once.
@@ -235,6 +249,7 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests, Compaction):
                 before it are applied (and refreshed), it and the rest are not.
         """
         touched: dict[str, None] = {}
+        triggered = False
         try:
             for fact in facts:
                 # Pending before it is applied: an undeclared stream's Settled, which
@@ -246,7 +261,10 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests, Compaction):
                 except BaseException:
                     del self._pending_facts[at]  # refused: nothing changed
                     raise
+                triggered = triggered or self._triggers(fact)
         finally:
+            if triggered:
+                touched.update(dict.fromkeys(self._reconcile_versions()))
             for name in touched:
                 if name in self._streams:  # not after an undeclaration
                     self._refresh(name)
@@ -278,6 +296,9 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests, Compaction):
             touched.add(self._apply(fact))
         if inherited and all(st.settled for st in self._streams.values()):
             self._lives.unsure = False  # that life learned its past of every stream
+        # The companions the log lacks (a crash before their facts were logged, a
+        # catalogue changed in the configuration), or has too many of.
+        touched.update(self._reconcile_versions())
         for name in sorted(touched & set(self._streams)):
             f = self._streams[name].facts
             if f.horizon is None and f.high_water is not None and not f.high_water_adopted:
@@ -307,6 +328,9 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests, Compaction):
         if isinstance(fact, Undeclare):
             self._undeclare(fact)
             return fact.stream
+        if isinstance(fact, ComponentReport):
+            self._reports[fact.component] = fact
+            return ""
         if isinstance(fact, CloseGenerations) and fact.stream not in self._streams:
             self.close_undeclared(fact.stream, fact.below)
             return fact.stream
@@ -393,10 +417,6 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests, Compaction):
         return kept
 
     # -- queries --------------------------------------------------------------
-
-    def streams(self) -> list[str]:
-        """Streams declared on this node."""
-        return sorted(self._streams)
 
     def spec(self, stream: str) -> StreamSpec:
         """The declared spec of ``stream``."""

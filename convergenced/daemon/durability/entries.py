@@ -13,6 +13,7 @@ from typing import Any
 from convergenced.core.facts import (
     CloseGenerations,
     Commit,
+    ComponentReport,
     Declare,
     Fact,
     Freeze,
@@ -41,6 +42,8 @@ def encode_entry(entry: Entry) -> list[Any]:
         return ["incarnation", entry.number, *([True] if entry.unsure else [])]
     if isinstance(entry, Settled):
         return ["settled", entry.stream]
+    if isinstance(entry, ComponentReport):
+        return ["component", entry.component, entry.running, list(entry.accepts)]
     if isinstance(entry, Declare):
         return ["declare", entry.spec.to_wire()]
     if isinstance(entry, Undeclare):
@@ -105,6 +108,11 @@ def decode_entry(obj: Any) -> Entry:
             if not isinstance(stream, str):
                 raise ValueError("bad stream")
             return Settled(stream)
+        if kind == "component":
+            component, running, accepts = args
+            if not all(isinstance(x, str) for x in (component, running, *accepts)):
+                raise ValueError("bad component report")
+            return ComponentReport(component, running, tuple(accepts))
         if kind == "declare":
             (spec,) = args
             return Declare(StreamSpec.from_wire(spec))
