@@ -247,18 +247,41 @@ class Client:
         streams: Sequence[str] = (),
         checkpoint: bool = False,
         timeout: float | None = None,
+        versions: Mapping[str, str] | None = None,
     ) -> dict[str, Any]:
         """Wait until ``node`` (this daemon's own) may go down for maintenance: every
         stream it is a member of (or each of ``streams``) has a restore point at least
         as new as its newest epoch here, published by every member. ``checkpoint``
-        asks the jobs for a new checkpoint first and waits for that one.
+        asks the jobs for a new checkpoint first and waits for that one. ``versions``
+        (component -> version): the node is to come back on those versions, so every
+        member of each of its jobs must accept them and have acknowledged that.
 
         Returns ``{"node", "safe", "streams": {stream: {"safe", "target",
-        "restore_point", "knowledge", "reason"}}}``; ``safe`` is false when
+        "restore_point", "knowledge", "reason"}}, "versions": [{"stream",
+        "component", "version", "safe", "reason"}]}``; ``safe`` is false when
         ``timeout`` ran out first.
         """
-        return dict(self.call("drain", node=node, streams=list(streams),
-                              checkpoint=checkpoint, timeout=timeout))  # fmt: skip
+        args: dict[str, Any] = {"node": node, "streams": list(streams),
+                                "checkpoint": checkpoint, "timeout": timeout}  # fmt: skip
+        if versions:
+            args["versions"] = dict(versions)
+        return dict(self.call("drain", **args))
+
+    def report_version(
+        self, component: str, running: str, accepts: Sequence[str] = ()
+    ) -> dict[str, Any]:
+        """Report that this node runs ``running`` of ``component`` and works beside
+        peers that run any of ``accepts`` (``running`` is always among them); durable
+        when it returns. Versions must be in the catalogue of the daemon's
+        configuration."""
+        acc = list(dict.fromkeys([*accepts, running])) if accepts else [running]
+        return dict(self.call("report_version", component=component, running=running,
+                              accepts=acc))  # fmt: skip
+
+    def versions(self, stream: str | None = None) -> dict[str, Any]:
+        """The version constraint sets: the catalogues, this node's reports, what the
+        fleet accepts and, per job (or ``stream``), each component's handshake."""
+        return dict(self.call("versions", stream=stream))
 
     def restore_point(
         self, stream: str, generation: int, timeout: float | None = None

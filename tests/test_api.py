@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from convergenced.core import local_api_codec as codec
 from convergenced.core import local_api_results as results
-from convergenced.core.facts import Commit, Declare, Retire, Retract, Undeclare
+from convergenced.core.facts import Commit, ComponentReport, Declare, Retire, Retract, Undeclare
 from convergenced.core.local_api_codec import ApiError, ErrorKind
 from convergenced.core.spec import Policy, StreamSpec
 
@@ -112,8 +112,28 @@ def test_every_operation_parses_into_typed_arguments() -> None:
         "streams": ("a", "b"),
         "checkpoint": True,
         "timeout": None,
+        "versions": {},
     }
     assert _parse("drain", node="n1").args["streams"] == ()
+    moved = _parse("drain", node="n1", versions={"driver": "555.42.02"})
+    assert moved.args["versions"] == {"driver": "555.42.02"}
+    said = _parse("report_version", component="driver", running="2", accepts=["1", "2"])
+    assert said.args["fact"] == ComponentReport("driver", "2", ("1", "2"))
+    assert _parse("report_version", component="d", running="2").args["fact"].accepts == ("2",)
+    assert _parse("versions").args == {"stream": None}
+    assert _parse("versions", stream="job").args == {"stream": "job"}
+    for op, bad in (("drain", {"node": "n1", "versions": {"a": "1", "b": "2", "c": "3", "d": "4",
+                                                        "e": "5", "f": "6", "g": "7", "h": "8",
+                                                        "i": "9"}}),
+                    ("drain", {"node": "n1", "versions": {"driver": "x" * 65}}),
+                    ("drain", {"node": "n1", "versions": ["driver"]}),
+                    ("report_version", {"component": "d"}),
+                    ("report_version", {"component": "-d", "running": "1"}),
+                    ("report_version", {"component": "d", "running": "1", "accepts": "1"}),
+                    ("versions", {"stream": 3})):  # fmt: skip
+        with pytest.raises(ApiError) as info:
+            _parse(op, **bad)
+        assert info.value.kind.value == "bad_request", (op, bad)
     for bad in ({"streams": ["a"]}, {"node": "n1", "streams": "a"},
                 {"node": "n1", "streams": ["a"] * 257}, {"node": "n1", "checkpoint": 1},
                 {"node": "n1", "streams": ["-x"]}):  # fmt: skip
@@ -136,6 +156,8 @@ def test_every_operation_parses_into_typed_arguments() -> None:
         "next_generation",
         "watch",
         "drain",
+        "report_version",
+        "versions",
         "cancel",
     }
 

@@ -938,6 +938,13 @@ class _StateOfOneStream:
     def restore_point_age(self, stream: str) -> float | None:
         return 3.0
 
+    def versions(self) -> dict[str, Any]:
+        handshake = {"declared": True, "compatible": True, "knowledge": "published"}
+        return {
+            "components": {"driver": {"running": "550.54.15"}},
+            "streams": {"job": {"driver": handshake}},
+        }
+
 
 def test_the_daemon_exports_exactly_the_catalog() -> None:
     """The event metrics of a fresh `Telemetry` and the state metrics of a source that

@@ -667,7 +667,9 @@ OP_ARGS: dict[str, tuple[str, ...]] = {
     "restore_point": ("stream", "generation", "timeout"),
     "next_generation": ("stream", "timeout"),
     "watch": ("stream",),
-    "drain": ("node", "streams", "checkpoint", "timeout"),
+    "drain": ("node", "streams", "checkpoint", "timeout", "versions"),
+    "report_version": ("component", "running", "accepts"),
+    "versions": ("stream",),
     "cancel": ("target",),
 }
 assert set(OP_ARGS) == set(codec.OPS)
@@ -733,6 +735,10 @@ GOOD_ARGS: dict[str, st.SearchStrategy[Any]] = {
     "node": st.one_of(st.just("node-1"), NAMES),
     "streams": st.lists(NAMES, max_size=3),
     "checkpoint": st.booleans(),
+    "versions": st.dictionaries(NAMES, st.text(max_size=10), max_size=3),
+    "component": st.one_of(st.just("driver"), NAMES),
+    "running": st.text(max_size=10),
+    "accepts": st.lists(st.text(max_size=10), max_size=3),
 }
 BAD_VALUES = st.one_of(BAD_NAMES, INTS, FLOATS, VALUES)
 
@@ -895,7 +901,8 @@ def unix_cases(draw: st.DrawFn, *, many: bool) -> tuple[bytes, bool]:
 
 # -- the local API oracle --------------------------------------------------------------------
 
-TASK_OPS = {"status", "streams", "state", "wait", "restore_point", "next_generation", "watch"}
+TASK_OPS = {"status", "streams", "state", "versions", "wait", "restore_point", "next_generation",
+            "watch", "drain"}  # fmt: skip
 
 
 @dataclass
@@ -919,8 +926,19 @@ def request_expectation(obj: Any, earlier_tasks: set[int], cancels: bool) -> Exp
     stream = req.args.get("stream")
     if req.op in ("status", "streams", "cancel"):
         outcomes = {"ok"}
-    elif req.op == "state":
+    elif req.op == "state" or (req.op == "versions" and stream is not None):
         outcomes = {"ok"} if stream == STREAM else {"rejected/unknown_stream"}
+    elif req.op == "versions":
+        outcomes = {"ok"}
+    elif req.op == "report_version":
+        outcomes = {"rejected/*"}  # the target has no catalogue: nothing to report
+    elif req.op == "drain":
+        if req.args["node"] != "node-1":
+            outcomes = {"rejected/wrong_node"}
+        elif any(s != STREAM for s in req.args["streams"]):
+            outcomes = {"rejected/unknown_stream"}
+        else:
+            return None  # a drain of the target's own stream: it may wait
     elif req.op == "next_generation" and stream != STREAM:
         outcomes = {"ok"}  # a spare asks before it declares: answered from the records
     elif req.op == "declare":

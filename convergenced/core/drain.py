@@ -14,6 +14,11 @@ The target of a stream is fixed when the drain is asked:
 * with a checkpoint request (the jobs are asked to save now, `checkpoint=True`), the
   first epoch after it: the checkpoint taken for the drain.
 
+A drain for a driver or firmware upgrade may also name the versions the node is to
+run after it (`judge_moves`): then every job of the node must accept each of them,
+and every member must have acknowledged that (`versions`), so the node never comes
+back on a version some member of one of its jobs cannot work with.
+
 A stream with nothing recoverable on this node yet has target 0: the drain waits
 for the job's first restore point rather than pass on a job that would lose all its
 work (the gate fails closed). Nothing here reads a clock: the caller decides how
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 
 from convergenced.core.agreement import Knowledge
 from convergenced.core.status import StreamStatus
+from convergenced.core.versions import ComponentView, judge_move
 
 
 def drain_target(status: StreamStatus, *, checkpoint: bool) -> int:
@@ -68,22 +74,58 @@ def judge_stream(status: StreamStatus, target: int) -> DrainVerdict:
 
 
 @dataclass(frozen=True, slots=True)
+class MoveVerdict:
+    """Whether one job lets the node move to ``version`` of ``component``
+    (`versions.judge_move`), and why not."""
+
+    stream: str
+    component: str
+    version: str
+    reason: str
+    """Why not yet, in a sentence ("" when every member accepts the version and has
+    acknowledged that)."""
+
+
+def judge_moves(
+    views: Mapping[str, Iterable[ComponentView]], moves: Mapping[str, str]
+) -> tuple[MoveVerdict, ...]:
+    """The verdicts of the jobs on a move to ``moves`` (component -> version): for
+    each job of ``views`` (its component views) and each component moved."""
+    out = []
+    for stream, per_component in sorted(views.items()):
+        by_component = {v.component: v for v in per_component}
+        for component, version in sorted(moves.items()):
+            view = by_component.get(component)
+            reason = (judge_move(view, version) if view is not None
+                      else f"{stream}: {component} has no catalogue on this node")  # fmt: skip
+            out.append(MoveVerdict(stream, component, version, reason))
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
 class DrainAnswer:
-    """The gate's answer for a node: safe only when every stream is."""
+    """The gate's answer for a node: safe only when every stream is, and every job
+    accepts the versions the node is to move to."""
 
     node: str
     streams: tuple[DrainVerdict, ...]
+    moves: tuple[MoveVerdict, ...] = ()
 
     @property
     def safe(self) -> bool:
-        return all(v.safe for v in self.streams)
+        return all(v.safe for v in self.streams) and not any(m.reason for m in self.moves)
 
 
-def judge(node: str, statuses: Iterable[StreamStatus], targets: Mapping[str, int]) -> DrainAnswer:
+def judge(
+    node: str,
+    statuses: Iterable[StreamStatus],
+    targets: Mapping[str, int],
+    moves: tuple[MoveVerdict, ...] = (),
+) -> DrainAnswer:
     """The answer over ``statuses`` (the streams ``node`` is a member of), each
-    judged against its target in ``targets``."""
+    judged against its target in ``targets``, and the verdicts on a version move."""
     verdicts = tuple(judge_stream(s, targets[s.stream]) for s in statuses)
-    return DrainAnswer(node, tuple(sorted(verdicts, key=lambda v: v.stream)))
+    return DrainAnswer(node, tuple(sorted(verdicts, key=lambda v: v.stream)), moves)
 
 
 def member_streams(node: str, statuses: Iterable[StreamStatus]) -> list[StreamStatus]:

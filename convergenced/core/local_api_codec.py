@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 import msgpack
 
 from convergenced.core.errors import RemoteProtocolError, SpecError
-from convergenced.core.facts import Commit, Declare, Retire, Retract, Undeclare
+from convergenced.core.facts import Commit, ComponentReport, Declare, Retire, Retract, Undeclare
 from convergenced.core.limits import MAX_DIGEST_CHARS, MAX_RANKS_PER_MEMBER
 from convergenced.core.packing import UnpackError, UnpackLimits, pack, unpack_strict
 from convergenced.core.spec import StreamSpec
@@ -53,6 +53,7 @@ from convergenced.core.validate import (
     as_name,
     as_str,
 )
+from convergenced.core.versions import MAX_COMPONENTS, MAX_VERSION_CHARS, MAX_VERSIONS
 from convergenced.errors import ConvergencedError
 
 LENGTH = struct.Struct(">I")
@@ -435,9 +436,29 @@ MAX_DRAIN_STREAMS = 256
 """Streams one drain request may name."""
 
 
+def _version(v: Any, path: str) -> str:
+    return as_str(v, path, max_len=MAX_VERSION_CHARS)
+
+
+def _report_version(a: Mapping[Any, Any], p: str) -> dict[str, Any]:
+    running = _version(a.get("running"), f"{p}.running")
+    accepts = as_list(a.get("accepts", [running]), f"{p}.accepts", max_len=MAX_VERSIONS)
+    vs = tuple(_version(v, f"{p}.accepts[{i}]") for i, v in enumerate(accepts))
+    return {"fact": ComponentReport(as_name(a.get("component"), f"{p}.component"), running, vs)}
+
+
+def _versions(a: Mapping[Any, Any], p: str) -> dict[str, Any]:
+    stream = a.get("stream")
+    return {"stream": None if stream is None else _name(stream, f"{p}.stream")}
+
+
 def _drain(a: Mapping[Any, Any], p: str) -> dict[str, Any]:
     names = as_list(a.get("streams", []), f"{p}.streams", max_len=MAX_DRAIN_STREAMS)
+    moves = as_map(a.get("versions", {}), f"{p}.versions", max_len=MAX_COMPONENTS)
     return {
+        "versions": {
+            as_name(c, f"{p}.versions"): _version(v, f"{p}.versions.{c}") for c, v in moves.items()
+        },
         "node": as_name(a.get("node"), f"{p}.node"),
         "streams": tuple(sorted({_name(n, f"{p}.streams[{i}]") for i, n in enumerate(names)})),
         "checkpoint": as_bool(a.get("checkpoint", False), f"{p}.checkpoint"),
@@ -470,7 +491,9 @@ _OPS: dict[str, tuple[Any, frozenset[str]]] = {
     "restore_point": (_restore_point, frozenset(("stream", "generation", "timeout"))),
     "next_generation": (_next_generation, frozenset(("stream", "timeout"))),
     "watch": (_stream, frozenset(("stream",))),
-    "drain": (_drain, frozenset(("node", "streams", "checkpoint", "timeout"))),
+    "drain": (_drain, frozenset(("node", "streams", "checkpoint", "timeout", "versions"))),
+    "report_version": (_report_version, frozenset(("component", "running", "accepts"))),
+    "versions": (_versions, frozenset(("stream",))),
     "cancel": (_cancel, frozenset(("target",))),
 }
 OPS = tuple(_OPS)

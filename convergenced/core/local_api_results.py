@@ -9,7 +9,8 @@ from typing import Any
 
 from convergenced.core.drain import DrainAnswer, drain_target, judge_stream
 from convergenced.core.interval_set import IntervalSet
-from convergenced.core.node import GenerationAnswer, StreamStatus
+from convergenced.core.node import GenerationAnswer, NodeCore, StreamStatus
+from convergenced.core.versions import ComponentView
 
 
 def intervals(s: IntervalSet | None) -> list[list[int]] | None:
@@ -70,6 +71,48 @@ def drain_to_wire(answer: DrainAnswer) -> dict[str, Any]:
                 "reason": v.reason,
             }
             for v in answer.streams
+        },
+        "versions": [
+            {"stream": m.stream, "component": m.component, "version": m.version,
+             "safe": not m.reason, "reason": m.reason}
+            for m in answer.moves
+        ],
+    }  # fmt: skip
+
+
+def component_view_to_wire(v: ComponentView) -> dict[str, Any]:
+    """One component of one job in the ``versions`` result."""
+    return {
+        "declared": v.declared,
+        "running": dict(v.running),
+        "accepted_by_all": None if v.accepted_by_all is None else list(v.accepted_by_all),
+        "acknowledged": v.acknowledged,
+        "knowledge": v.knowledge.name.lower(),
+        "compatible": v.compatible,
+        "droppable": list(v.droppable),
+        "missing": list(v.missing),
+    }
+
+
+def versions_to_wire(node: NodeCore, streams: list[str]) -> dict[str, Any]:
+    """The ``versions`` result: the catalogues, this node's reports, the fleet and,
+    per job of ``streams``, each component's handshake."""
+    reports = node.reports()
+    fleet = node.fleet_versions()
+    return {
+        "node": node.node_id,
+        "components": {
+            c: {
+                "catalogue": list(cat.versions),
+                "running": reports[c].running if c in reports else None,
+                "accepts": list(reports[c].accepts) if c in reports else None,
+                "fleet_accepts": list(fleet[c][0]),
+                "fleet_nodes": fleet[c][1],
+            }
+            for c, cat in sorted(node.catalogues.items())
+        },
+        "streams": {
+            s: {v.component: component_view_to_wire(v) for v in node.versions(s)} for s in streams
         },
     }
 

@@ -15,6 +15,9 @@ Every subcommand is one request to the daemon through `convergenced.client.Clien
     convergencectl restore-point job 3 --timeout 60
     convergencectl watch job --json | jq .restore_point
     convergencectl gate node-3 --checkpoint --timeout 600
+    convergencectl gate node-3 --version driver=555.42.02 --timeout 600
+    convergencectl report-version driver 555.42.02 --accepts 550.54.15,555.42.02
+    convergencectl versions job
     convergencectl top job
 
 Output is short text for people; with ``--json`` (before or after the subcommand)
@@ -62,6 +65,7 @@ from convergenced.ctl.formatting import (
     format_restore_point,
     format_state,
     format_status,
+    format_versions,
     format_watch_event,
 )
 from convergenced.ctl.parser import (
@@ -118,6 +122,11 @@ COMMANDS: dict[str, Command] = {
         lambda c, a: c.restore_point(a.stream, a.generation, a.timeout),
         lambda r, a: format_restore_point(r),
     ),
+    "versions": Command(lambda c, a: c.versions(a.stream), lambda r, a: format_versions(r)),
+    "report-version": Command(
+        lambda c, a: c.report_version(a.component, a.version, a.accepts),
+        lambda r, a: f"reported {r['component']} {a.version} (durable)",
+    ),
     # Just the number, for a launcher script: GEN=$(convergencectl next-generation job)
     "next-generation": Command(
         lambda c, a: c.next_generation(a.stream, a.timeout), lambda r, a: str(r["generation"])
@@ -148,7 +157,7 @@ def _watch(client: Client, args: argparse.Namespace) -> int:
 def _gate(client: Client, args: argparse.Namespace) -> int:
     """Wait for the drain gate; exit 0 only when the drain is safe (fail closed)."""
     result = client.drain(args.node, streams=args.stream, checkpoint=args.checkpoint,
-                          timeout=args.timeout)  # fmt: skip
+                          timeout=args.timeout, versions=dict(args.version))  # fmt: skip
     print(_dumps(result) if args.json else format_drain(result), flush=True)
     return EXIT_OK if result["safe"] else EXIT_FAILED
 

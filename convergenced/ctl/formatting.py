@@ -292,6 +292,40 @@ def format_drain(r: Mapping[str, Any]) -> str:
         why = f": {v['reason']}" if v["reason"] else ""
         lines.append(f"  {name}: {mark}, target {v['target']}, restore point "
                      f"{_value(v['restore_point'])} ({v['knowledge']}){why}")  # fmt: skip
+    for m in r.get("versions", []):
+        mark = "ok" if m["safe"] else "waiting"
+        why = f": {m['reason']}" if m["reason"] else ""
+        lines.append(f"  {m['stream']}: {mark} to move to {m['component']} {m['version']}{why}")
+    return "\n".join(lines)
+
+
+def format_versions(r: Mapping[str, Any]) -> str:
+    """The ``versions`` result for people: the components, then each job's handshake."""
+    lines = [f"{r['node']}:"]
+    if not r["components"]:
+        lines.append("  no component catalogue configured ([components.NAME] versions)")
+    for name, c in sorted(r["components"].items()):
+        runs = (f"runs {c['running']}, accepts {', '.join(c['accepts'])}"
+                if c["running"] is not None else "reports no version")  # fmt: skip
+        fleet = ", ".join(c["fleet_accepts"]) or "nothing in common"
+        lines.append(f"  {name}: {runs}; {c['fleet_nodes']} nodes heard from accept {fleet}")
+    for stream, per_component in sorted(r["streams"].items()):
+        for name, h in sorted(per_component.items()):
+            head = f"  {stream} {name}: "
+            if not h["declared"]:
+                lines.append(head + "this node reports no version")
+                continue
+            if h["accepted_by_all"] is None:
+                lines.append(head + f"waiting for {_names(h['missing'])}")
+                continue
+            accepted = ", ".join(h["accepted_by_all"]) or "none"
+            compat = {True: "compatible", False: "INCOMPATIBLE", None: "?"}[h["compatible"]]
+            lines.append(head + f"{compat}; all accept {accepted}; acknowledged "
+                         f"{_value(h['acknowledged'])} ({h['knowledge']})")  # fmt: skip
+            runs = ", ".join(f"{m} {v}" for m, v in sorted(h["running"].items()))
+            lines.append(f"    running: {runs}")
+            if h["droppable"]:
+                lines.append(f"    no member needs: {', '.join(h['droppable'])}")
     return "\n".join(lines)
 
 

@@ -201,8 +201,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("stream", metavar="STREAM")
     p.add_argument("--count", type=_natural, metavar="N", help="stop after N events")
     _add_gate(add)
+    _add_versions(add)
     _add_top(add)
     return parser
+
+
+def _move(text: str) -> tuple[str, str]:
+    """COMPONENT=VERSION."""
+    component, sep, version = text.partition("=")
+    if not sep or not component or not version:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected COMPONENT=VERSION")
+    return component, version
+
+
+def _add_versions(add: Callable[[str, str, str], argparse.ArgumentParser]) -> None:
+    p = add(
+        "versions",
+        "the version handshake of each job",
+        "Show the component catalogues, the versions this node runs and accepts, the "
+        "versions every node heard from accepts, and, per job (or STREAM): the versions "
+        "every member accepts, the newest one every member acknowledged, what each "
+        "member runs, and the versions no member needs any more.",
+    )
+    p.add_argument("stream", nargs="?", metavar="STREAM", help="only this job's stream")
+    p = add(
+        "report-version",
+        "report the version of a component this node runs",
+        "Report that this node runs VERSION of COMPONENT and works beside peers that run "
+        "any of --accepts (VERSION is always accepted). Durable when it returns; the "
+        "latest report of a component replaces the one before. Versions must be in the "
+        "component's catalogue ([components.NAME] versions in the configuration).",
+    )
+    p.add_argument("component", metavar="COMPONENT")
+    p.add_argument("version", metavar="VERSION")
+    p.add_argument(
+        "--accepts",
+        type=lambda t: [v for v in t.split(",") if v],
+        default=[],
+        metavar="V1,V2",
+        help="the versions peers may run beside this node (default: VERSION only)",
+    )
 
 
 def _add_gate(add: Callable[[str, str, str], argparse.ArgumentParser]) -> None:
@@ -229,6 +267,15 @@ def _add_gate(add: Callable[[str, str, str], argparse.ArgumentParser]) -> None:
         "--checkpoint",
         action="store_true",
         help="ask the jobs for a new checkpoint and wait for it to be agreed",
+    )
+    p.add_argument(
+        "--version",
+        action="append",
+        type=_move,
+        default=[],
+        metavar="COMPONENT=VERSION",
+        help="NODE is to come back on VERSION of COMPONENT: wait also until every member "
+        "of each of its jobs accepts it and has acknowledged that (repeatable)",
     )
     p.add_argument(
         "--timeout",

@@ -16,8 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from convergenced.core.errors import FactError
+from convergenced.core.facts import ComponentReport
 from convergenced.core.limits import MAX_MEMBERS
 from convergenced.core.validate import NAME_RE
+from convergenced.core.versions import MAX_COMPONENTS, Catalogue, check_report
 from convergenced.errors import ConfigError
 from convergenced.security.trust import parse_trust_list
 
@@ -70,6 +73,16 @@ class TlsFiles:
 
 
 @dataclass(frozen=True, slots=True)
+class ComponentConfig:
+    """``[components.NAME]``: the fleet's versions of a component, oldest first, and
+    optionally this node's own report, applied when its log holds none."""
+
+    catalogue: Catalogue
+    running: str | None = None
+    accepts: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     """The whole daemon configuration (see deploy/config/convergenced.toml)."""
 
@@ -116,6 +129,8 @@ class Config:
     """Local API clients allowed besides root and the daemon's own user."""
     allowed_gids: tuple[int, ...] = ()
     """Local API clients allowed by group (primary or supplementary)."""
+    components: tuple[ComponentConfig, ...] = ()
+    """The version catalogues (and seed reports) of the version handshake."""
     source: str = "<defaults>"
 
     @property
@@ -145,7 +160,7 @@ _TOP = {
     "node_id", "cluster", "listen", "peers", "socket_path", "state_dir",
     "tick_ms", "idle_ticks", "dead_ticks", "mesh_limit", "log_level", "limits",
     "wal_compact_bytes", "wal_group_commit", "insecure", "tls", "identity", "trust", "local",
-    "metrics_listen",
+    "metrics_listen", "components",
 }  # fmt: skip
 
 
@@ -205,6 +220,7 @@ def parse(raw: Mapping[str, Any], source: str = "<config>") -> Config:
             else v.address(raw.get("metrics_listen", "127.0.0.1:9464"), "metrics_listen")
         ),
         limits=v.limits(raw.get("limits", {})),
+        components=v.components(raw.get("components", {})),
         **v.security(raw, node_id, peers),
         source=source,
     )
@@ -356,6 +372,32 @@ class _Validator:
         if not isinstance(value, list) or not all(type(x) is int and 0 <= x < 2**32 for x in value):
             raise self.fail(f"local.{key}", f"{value!r}; expected a list of numeric ids")
         return tuple(value)
+
+    def components(self, value: Any) -> tuple[ComponentConfig, ...]:
+        if not isinstance(value, Mapping):
+            raise self.fail("components", "expected tables [components.NAME]")
+        if len(value) > MAX_COMPONENTS:
+            raise self.fail("components", f"{len(value)} components above {MAX_COMPONENTS}")
+        out = []
+        for name, table in sorted(value.items()):
+            key = f"components.{name}"
+            if not isinstance(table, Mapping):
+                raise self.fail(key, "expected a table with versions, running, accepts")
+            self.no_unknown(table, {"versions", "running", "accepts"}, key + ".")
+            versions, running = table.get("versions"), table.get("running")
+            accepts = table.get("accepts", [] if running is None else [running])
+            if not isinstance(versions, list) or not isinstance(accepts, list):
+                raise self.fail(key, "versions and accepts are lists of version strings")
+            try:
+                catalogue = Catalogue.create(name, versions)
+                if running is not None:
+                    check_report(ComponentReport(name, running, tuple(accepts)), catalogue)
+                elif accepts:
+                    raise self.fail(key + ".accepts", "goes with running")
+            except FactError as exc:
+                raise self.fail(key, str(exc)) from None
+            out.append(ComponentConfig(catalogue, running, tuple(accepts)))
+        return tuple(out)
 
     def limits(self, value: Any) -> Limits:
         if not isinstance(value, Mapping):

@@ -82,6 +82,15 @@ CATALOG: tuple[MetricSpec, ...] = (
        "published it (what `convergencectl gate` waits for; 0 blocks a drain)"),
     _m("checkpoint_requested", "gauge", S, "1 while a drain of this node waits for the job "
        "to save a new checkpoint"),
+    # -- version handshake of each job (read at scrape time; components <= 8)
+    _m("component_running", "gauge", ("component", "version"), "1, with the version of the "
+       "component this node reports running (versions of the configured catalogue only)"),
+    _m("versions_compatible", "gauge", ("stream", "component"), "1 when every member of the "
+       "job accepts every version its members run, 0 when some member runs one another "
+       "does not accept (absent until every member reported)"),
+    _m("version_knowledge", "gauge", ("stream", "component"), "how far the version "
+       "handshake got: 0 incomplete, 1 every member's accepted set known, 2 every member "
+       "accepts the acknowledged version, 3 every member acknowledged it"),
     # -- events of each stream
     _m("recovery_seconds", "gauge", S, "last recovery generation, first request to agreed "
        "answer (RTO as this daemon sees it)"),
@@ -164,6 +173,9 @@ class StateSource(Protocol):
     def restore_point_age(self, stream: str) -> float | None:
         """Seconds since the restore point of ``stream`` last changed, if it did."""
 
+    def versions(self) -> dict[str, Any]:
+        """The ``versions`` result of the local API, for every job."""
+
 
 class StateCollector(Collector):
     """State metrics, read from a `StateSource` when Prometheus scrapes."""
@@ -217,6 +229,17 @@ class StateCollector(Collector):
             own = s["newest"].get(src.node_id(), {})
             if rp is not None and own:
                 gauge("rpo_epochs", [stream], max(0, max(own.values()) - rp))
+        v = src.versions()
+        for component, c in v["components"].items():
+            if c["running"] is not None:
+                gauge("component_running", [component, c["running"]], 1.0)
+        for stream, per_component in v["streams"].items():
+            for component, h in per_component.items():
+                if h["compatible"] is not None:
+                    gauge("versions_compatible", [stream, component], float(h["compatible"]))
+                if h["declared"]:
+                    level = KNOWLEDGE.get(h["knowledge"], 0)
+                    gauge("version_knowledge", [stream, component], level)
         family("peer_up")  # present even before any peer is configured
         for peer, up in src.peer_links():
             gauge("peer_up", [peer], 1.0 if up else 0.0)

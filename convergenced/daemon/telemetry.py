@@ -36,6 +36,7 @@ from convergenced.core.node import (
     StateLost,
 )
 from convergenced.core.records import Record
+from convergenced.core.versions import is_reserved
 from convergenced.daemon.metrics import StateCollector, StateSource, spec
 
 log = structlog.get_logger("convergenced.daemon")
@@ -191,6 +192,12 @@ class Telemetry:
 
     def node_event(self, ev: NodeEvent) -> None:
         """Count and log what the core reported."""
+        stream = getattr(ev, "stream", "")
+        if is_reserved(stream):
+            # A job's version handshake (`core.versions`): its own metrics are read
+            # from the state; per-stream counters keep to the jobs' streams.
+            log.info("version handshake", what=type(ev).__name__, stream=stream)
+            return
         if isinstance(ev, RestorePointChanged):
             self._restore_point_since[ev.stream] = self.clock()
             if ev.rollback:

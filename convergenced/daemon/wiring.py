@@ -18,6 +18,7 @@ import trio
 
 from convergenced import __version__
 from convergenced.core.admission import Admission
+from convergenced.core.facts import ComponentReport
 from convergenced.core.gate import OutputGate
 from convergenced.core.node import NodeCore
 from convergenced.daemon.config import Config
@@ -80,6 +81,10 @@ class Running:
     def restore_point_age(self, stream: str) -> float | None:
         """Seconds since the restore point of ``stream`` last moved."""
         return self.telemetry.restore_point_age(stream)
+
+    def versions(self) -> dict[str, Any]:
+        """The version handshakes of every job (``versions`` of the local API)."""
+        return self.operations.versions(None)
 
     # -- status --------------------------------------------------------------------
 
@@ -174,7 +179,8 @@ def assemble(
     # node then waits to hear of its earlier lives before publishing (`core.lives`).
     fresh = not any(isinstance(e, Incarnation) for e in entries)
     node = NodeCore(cfg.node_id, incarnation_after(entries, floor), sign=security.sign,
-                    verify=security.verify, unsure_of_past=fresh)  # fmt: skip
+                    verify=security.verify, unsure_of_past=fresh,
+                    catalogues=[c.catalogue for c in cfg.components])  # fmt: skip
     node.plan_links(sorted(overlay_peers(cfg)))
     node.replay(entries)
     for _ in iter(node.next_event, None):
@@ -193,6 +199,11 @@ def assemble(
     admission = Admission(node, gate, max_streams=cfg.limits.max_streams,
                           max_members=cfg.limits.max_members,
                           cluster=cluster_members(cfg))  # fmt: skip
+    for c in cfg.components:
+        # The configuration seeds a report the log does not hold; a report made
+        # since (convergencectl report-version) is newer, and stands.
+        if c.running is not None and c.catalogue.component not in node.reports():
+            admission.submit(ComponentReport(c.catalogue.component, c.running, c.accepts))
 
     def status() -> dict[str, Any]:
         return running.status()  # bound below, before anyone can ask

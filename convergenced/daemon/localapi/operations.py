@@ -33,7 +33,13 @@ import trio
 
 from convergenced.core import local_api_results as results
 from convergenced.core.admission import Admission, rejected
-from convergenced.core.drain import CheckpointRequests, drain_target, judge, member_streams
+from convergenced.core.drain import (
+    CheckpointRequests,
+    drain_target,
+    judge,
+    judge_moves,
+    member_streams,
+)
 from convergenced.core.errors import FactError
 from convergenced.core.facts import Commit, Declare, Fact
 from convergenced.core.local_api_codec import ApiError, ErrorKind
@@ -157,6 +163,13 @@ class LocalOperations:
         """Streams declared on this node."""
         return self.node.streams()
 
+    def versions(self, stream: str | None) -> dict[str, Any]:
+        """The version constraint sets: the catalogues, this node's reports, the
+        fleet's, and each job's handshake (of ``stream`` only, when given)."""
+        if stream is not None:
+            self.admission.known(stream)
+        return results.versions_to_wire(self.node, [stream] if stream else self.node.streams())
+
     def status(self) -> dict[str, Any]:
         """Daemon status: identity, links, clients, counters."""
         return self._status()
@@ -268,14 +281,22 @@ class LocalOperations:
         )
 
     async def drain(
-        self, node: str, streams: Sequence[str], checkpoint: bool, timeout: float | None
+        self,
+        node: str,
+        streams: Sequence[str],
+        checkpoint: bool,
+        timeout: float | None,
+        versions: Mapping[str, str] | None = None,
     ) -> dict[str, Any]:
         """Wait until ``node`` (this one) may go down for maintenance (`core.drain`):
         every stream it is a member of (or those of ``streams``) has a restore point
         at least its target that every member published. With ``checkpoint``, the
         jobs are asked for a new checkpoint (``checkpoint_requested`` in their state)
-        and the target is that checkpoint. Returns the answer, ``safe`` false when
-        ``timeout`` ran out first (the gate fails closed).
+        and the target is that checkpoint. With ``versions`` (component -> version),
+        the node is to move to those versions: every job of the node must accept
+        them and every member have acknowledged that (`core.drain.judge_moves`).
+        Returns the answer, ``safe`` false when ``timeout`` ran out first (the gate
+        fails closed).
 
         Raises:
             ApiError: ``wrong_node`` (the gate answers for its own node only),
@@ -302,7 +323,9 @@ class LocalOperations:
         try:
 
             def judged() -> Any:  # streams undeclared meanwhile drop out
-                return judge(me, [s for s in statuses() if s.stream in targets], targets)
+                now = [s for s in statuses() if s.stream in targets]
+                views = {s.stream: self.node.versions(s.stream) for s in now}
+                return judge(me, now, targets, judge_moves(views, versions or {}))
 
             with trio.move_on_after(math.inf if timeout is None else timeout):
                 while not judged().safe:
@@ -378,7 +401,7 @@ async def _next_generation(ops: LocalOperations, a: Args, emit: Emit) -> Any:
 
 
 async def _drain(ops: LocalOperations, a: Args, emit: Emit) -> Any:
-    return await ops.drain(a["node"], a["streams"], a["checkpoint"], a["timeout"])
+    return await ops.drain(a["node"], a["streams"], a["checkpoint"], a["timeout"], a["versions"])
 
 
 async def _watch(ops: LocalOperations, a: Args, emit: Emit) -> Any:
@@ -403,8 +426,10 @@ OPERATIONS: dict[str, Operation] = {
     "commit": Operation(OpKind.FACT, _fact),
     "retract": Operation(OpKind.FACT, _fact),
     "retire": Operation(OpKind.FACT, _fact),
+    "report_version": Operation(OpKind.FACT, _fact),
     "status": Operation(OpKind.READ, lambda ops, a, emit: ops.status()),
     "streams": Operation(OpKind.READ, lambda ops, a, emit: ops.streams()),
+    "versions": Operation(OpKind.READ, lambda ops, a, emit: ops.versions(a["stream"])),
     "state": Operation(OpKind.READ, lambda ops, a, emit: ops.state(a["stream"])),
     "wait": Operation(OpKind.WAIT, _wait),
     "restore_point": Operation(OpKind.WAIT, _restore_point),
