@@ -253,3 +253,29 @@ def test_oracle_catches_bytes_that_leave_before_their_fsync(
     monkeypatch.setattr(GatedOutput, "release", eager)
     found = _first_violation(_configs(10, faults=frozenset({"crash"})))
     assert found == "gate"
+
+
+def test_driver_upgrades_keep_the_version_handshake_valid_and_live() -> None:
+    results = [Simulation(cfg).run() for cfg in _configs(12, faults=frozenset({"upgrade"}))]
+    assert [r.violation for r in results] == [None] * len(results)
+    assert all(r.converged for r in results)
+    assert sum(r.fault_counts.get("upgrade", 0) for r in results) > 10
+
+
+def test_the_version_oracle_catches_a_version_acknowledged_that_a_member_never_accepted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A core that commits one version more than a node reported accepting."""
+    from convergenced.core.interval_set import IntervalSet
+    from convergenced.core.versions import Catalogue
+
+    honest = Catalogue.indices
+
+    def one_more(self: Catalogue, versions: object) -> IntervalSet:
+        held = honest(self, versions)  # type: ignore[arg-type]
+        top = held.max()
+        return held if top is None or top + 1 >= len(self.versions) else held.add(top + 1)
+
+    monkeypatch.setattr(Catalogue, "indices", one_more)
+    results = [Simulation(cfg).run() for cfg in _configs(10, faults=frozenset({"upgrade"}))]
+    assert any(r.violation is not None and r.violation.invariant == "V1" for r in results)

@@ -29,6 +29,9 @@ fast or slow); every other fault is an event:
   same name starts there 5-100 ms later and declares it again, finding its
   checkpoints on disk half the time (it commits them again) and nothing otherwise.
 
+* ``upgrade``: a node reports another driver version, or another set of versions it
+  accepts beside it (`versions`).
+
 Four faults change the job's membership (`MEMBERSHIP_FAULTS`): each relaunches the
 job with a new member map, as `launches` describes (one rank asks
 ``next_generation``, every rank declares the new map with ``membership`` = that
@@ -66,10 +69,11 @@ from convergenced.sim.network import STREAM, Network
 from convergenced.sim.node import SimNode
 from convergenced.sim.oracle import Truth
 from convergenced.sim.placement import Placement
+from convergenced.sim.versions import SimVersions
 
 FAULTS = (
     "reset", "delay", "clog", "partition", "crash", "pause", "skew", "replay", "retract",
-    "lose_state", "undeclare", "relaunch", "replace", "shrink", "grow", "leave",
+    "lose_state", "undeclare", "relaunch", "replace", "shrink", "grow", "leave", "upgrade",
 )  # fmt: skip
 """Every fault the simulator can inject (``--faults all``)."""
 MEMBERSHIP_FAULTS = frozenset({"replace", "shrink", "grow", "leave"})
@@ -93,7 +97,8 @@ RATE_RANGES: dict[str, tuple[float, float]] = {
     "grow": (0.0, 0.05),
     "leave": (0.0, 0.05),
 }
-"""Per fault, the range its rate is drawn from: chance per fault step."""
+"""Per fault, the range its rate is drawn from: chance per fault step (``upgrade``
+draws its own: `versions`)."""
 FAULT_STEP = 10_000
 LOCAL_TOO = 0.4
 """How often ``lose_state`` takes the node-local checkpoints too (when there are any)."""
@@ -118,6 +123,7 @@ class FaultTarget(Protocol):
     gone: set[str]
     launches: Launches
     phase: str
+    versions: SimVersions
 
     def crash(self, nid: str) -> None:
         """Kill ``nid``'s daemon."""
@@ -158,7 +164,8 @@ class FaultInjector:
     def __init__(self, world: FaultTarget, enabled: frozenset[str]) -> None:
         self.world = world
         rng = world.loop.rng
-        self.rates = {f: (rng.uniform(*RATE_RANGES[f]) if f in enabled else 0.0) for f in FAULTS}
+        self.rates = {f: (rng.uniform(*RATE_RANGES[f]) if f in enabled else 0.0)
+                      for f in RATE_RANGES}  # fmt: skip
         self.counts: dict[str, int] = {}
         self.hosted = set(world.spec.member_ids)
         """Nodes that ever hosted ranks (a spare for ``replace`` never did)."""
@@ -178,11 +185,14 @@ class FaultInjector:
         if net.blocked and loop.now >= net.blocked_until:
             net.blocked.clear()
             loop.trace("heal partition")
-        for fault in FAULTS:
+        for fault in RATE_RANGES:
             rate = self.rates[fault]
             fired = rate and fault != "skew" and loop.rng.random() < rate
             if fired and getattr(self, f"_{fault}")() is not False:  # False: nothing to do
                 self.counts[fault] = self.counts.get(fault, 0) + 1
+        # Rolled on a random stream of its own: seeds without it run as they did.
+        if w.versions.upgrade():
+            self.counts["upgrade"] = self.counts.get("upgrade", 0) + 1
 
     # -- the faults ----------------------------------------------------------------
 

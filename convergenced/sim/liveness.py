@@ -26,6 +26,7 @@ from convergenced.sim.network import STREAM, Network
 from convergenced.sim.node import SimNode
 from convergenced.sim.oracle import InvariantViolation, Truth
 from convergenced.sim.placement import Placement
+from convergenced.sim.versions import SimVersions
 from convergenced.sim.workload import DomainModel
 
 QUIET_POLL_US = 1_000
@@ -59,6 +60,7 @@ class LivenessWorld(Protocol):
     deferred: int
     latency_us: int
     gone: set[str]
+    versions: SimVersions
 
     def restart(self, nid: str) -> None:
         """Start ``nid``'s daemon again from its log."""
@@ -184,6 +186,8 @@ class Liveness:
             if not there(members[i]):
                 self._waiting = (members, i)
                 return False
+        if not w.versions.converged():
+            return False
         rtt = 2 * w.latency_us
         self.rounds = max(1, math.ceil((w.loop.now - self.t_final) / rtt))
         return True
@@ -205,4 +209,6 @@ class Liveness:
             for nid, n in w.nodes.items()
             if nid in w.spec.member_ids
         }
+        if all(point == want for point in got.values()):
+            return w.versions.failure()  # the job agreed; its version handshake did not
         return InvariantViolation("S5", f"no convergence on {want} after healing: {got}")

@@ -28,6 +28,7 @@ from convergenced.sim.network import STREAM, Network
 from convergenced.sim.node import SimNode
 from convergenced.sim.oracle import Truth
 from convergenced.sim.placement import Placement
+from convergenced.sim.versions import SimVersions
 from convergenced.sim.workload import DomainModel
 
 
@@ -53,6 +54,7 @@ class DaemonLives:
     undeclared: dict[str, bool]
     undeclares: dict[str, int]
     closed_below: dict[str, int]
+    versions: SimVersions
     submit: Callable[[str, Fact], str | None]  # Simulation's
     after_change: Callable[[str], None]
     _write: Callable[[str], None]
@@ -147,6 +149,7 @@ class DaemonLives:
             refused = self.submit(nid, Declare(spec))
             if refused is not None:
                 return refused
+            self.versions.report(nid)
             before = held.ranks_of(nid) if held is not None else ()
             arrived = [r for r in spec.ranks_of(nid) if r not in before]
             if adopt and arrived:
@@ -173,6 +176,7 @@ class DaemonLives:
         # for the others (only while faults strike: S5's target is fixed after).
         self.undeclared.pop(nid, None)
         self.declare(nid, self.spec, adopt=False)
+        self.versions.report(nid)  # its hook reports again (a repeat if its log kept it)
         if self.phase == "safety":
             self.job.recommit(nid)
         loop.after(loop.rng.randint(0, self.cfg.tick_us), self._tick, nid, node.lives)

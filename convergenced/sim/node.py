@@ -23,6 +23,7 @@ from convergenced.core.facts import Fact, Freeze, HighWater, Incarnation
 from convergenced.core.gate import GatedOutput, OutputGate
 from convergenced.core.interval_set import IntervalSet
 from convergenced.core.node import NodeCore, NodeEvent
+from convergenced.core.versions import Catalogue
 
 COMPACT_EVERY = 8
 """Every this many writes of a node's log is a compaction."""
@@ -67,6 +68,8 @@ class SimNode:
     skew: float = 1.0
     backoff: dict[str, int] = field(default_factory=dict)
     polled_seq: int = -1
+    catalogues: tuple[Catalogue, ...] = ()
+    """The version catalogues of the node's configuration (`versions`)."""
     replies: list[tuple[int, Callable[[], None]]] = field(default_factory=list)
     """Answers to local reads waiting for the gate: (position, what the rank does
     with the answer)."""
@@ -86,7 +89,7 @@ class SimNode:
         past = [f.number for f in self.durable if isinstance(f, Incarnation)]
         incarnation = 1 + max([*past, self.key_incarnation])
         self.key_incarnation = incarnation
-        core = NodeCore(self.id, incarnation, unsure_of_past=not past)
+        core = NodeCore(self.id, incarnation, unsure_of_past=not past, catalogues=self.catalogues)
         core.plan_links(links)
         core.replay(self.durable)
         self.durable.append(core.incarnation_fact())

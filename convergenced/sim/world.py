@@ -30,6 +30,7 @@ from convergenced.core.node import GenerationResolved, NodeCore, RestorePointCha
 from convergenced.core.overlay import links
 from convergenced.core.records import Record
 from convergenced.core.spec import Policy, StreamSpec
+from convergenced.core.versions import is_reserved
 from convergenced.core.wire import DECODED_CAPACITY, set_decoded_capacity
 from convergenced.sim.baselines import Baselines
 from convergenced.sim.config import Result, SimConfig
@@ -44,6 +45,7 @@ from convergenced.sim.node import LogWrite, SimNode
 from convergenced.sim.oracle import InvariantViolation, Truth
 from convergenced.sim.placement import Placement
 from convergenced.sim.storage import Storage
+from convergenced.sim.versions import SimVersions
 from convergenced.sim.workload import domain_models, domain_names
 
 __all__ = ["FAULTS", "STREAM", "Result", "SimConfig", "Simulation", "liveness_bound"]
@@ -74,6 +76,8 @@ class Simulation(DaemonLives):
         self.result = Result(cfg.seed)
         self.phase = "safety"
         faults = cfg.faults
+        self.versions = SimVersions(self, cfg.seed, enabled="upgrade" in faults,
+                                    sampled=faults >= set(FAULTS))  # fmt: skip
         if faults >= set(FAULTS) and rng.random() >= MEMBERSHIP_SHARE:
             faults -= MEMBERSHIP_FAULTS  # swarm testing: off in this seed
         spares = SPARES if faults & MEMBERSHIP_FAULTS else 0
@@ -81,7 +85,8 @@ class Simulation(DaemonLives):
         ids = [f"n{i:02d}" if total <= 100 else f"n{i:04d}" for i in range(total)]
         self.ids = ids
         """Every node of the cluster: the job's first members, then the spares."""
-        self.nodes = {i: SimNode(i) for i in ids}
+        catalogues = tuple(self.versions.catalogues())
+        self.nodes = {i: SimNode(i, catalogues=catalogues) for i in ids}
         # Every node of the run decodes in this process: let the wire codec keep every
         # record version still in flight decoded once, for all of them.
         set_decoded_capacity(max(DECODED_CAPACITY, 16 * total))
@@ -264,6 +269,7 @@ class Simulation(DaemonLives):
         """The job's ranks on ``nid`` declare its spec (a node it left declares none)."""
         if nid in self.spec.member_ids:
             self.submit(nid, Declare(self.spec))
+            self.versions.report(nid)
 
     def _fault_step(self) -> None:
         if self.phase != "safety":
@@ -310,6 +316,12 @@ class Simulation(DaemonLives):
         if core is None:
             return
         while (ev := core.next_event()) is not None:
+            if is_reserved(getattr(ev, "stream", "")):
+                # A version acknowledged for the job: checked as a client reads it.
+                if isinstance(ev, RestorePointChanged) and ev.new is not None:
+                    node.reply(partial(self.versions.check_acknowledged, nid, ev.new,
+                                       core.spec(ev.stream)))  # fmt: skip
+                continue
             # Judged by the member map the node holds (the job's, or an older one it
             # keeps as a node the job left).
             spec = core.spec(STREAM) if STREAM in core.streams() else self.spec
