@@ -278,6 +278,11 @@ class Client:
         return dict(self.call("report_version", component=component, running=running,
                               accepts=acc))  # fmt: skip
 
+    def note_rollout(self, text: str) -> dict[str, Any]:
+        """Add ``text`` (a JSON object, at most 4096 chars) to this node's rollout audit
+        trail, kept in its log (the newest 64); durable when it returns."""
+        return dict(self.call("note_rollout", text=text))
+
     def versions(self, stream: str | None = None) -> dict[str, Any]:
         """The version constraint sets: the catalogues, this node's reports, what the
         fleet accepts and, per job (or ``stream``), each component's handshake."""

@@ -14,8 +14,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from convergenced.core import local_api_codec as codec
+from convergenced.core import local_api_requests as requests
 from convergenced.core import local_api_results as results
-from convergenced.core.facts import Commit, ComponentReport, Declare, Retire, Retract, Undeclare
+from convergenced.core.facts import (
+    Commit,
+    ComponentReport,
+    Declare,
+    Retire,
+    Retract,
+    RolloutNote,
+    Undeclare,
+)
 from convergenced.core.local_api_codec import ApiError, ErrorKind
 from convergenced.core.spec import Policy, StreamSpec
 
@@ -121,6 +130,10 @@ def test_every_operation_parses_into_typed_arguments() -> None:
     assert said.args["fact"] == ComponentReport("driver", "2", ("1", "2"))
     assert _parse("report_version", component="d", running="2").args["fact"].accepts == ("2",)
     assert _parse("versions").args == {"stream": None}
+    assert _parse("note_rollout", text='{"node": "a"}').args["fact"] == RolloutNote('{"node": "a"}')
+    for text in ("x" * 4097, 3):
+        with pytest.raises(ApiError):
+            _parse("note_rollout", text=text)
     assert _parse("versions", stream="job").args == {"stream": "job"}
     for op, bad in (("drain", {"node": "n1", "versions": {"a": "1", "b": "2", "c": "3", "d": "4",
                                                         "e": "5", "f": "6", "g": "7", "h": "8",
@@ -158,6 +171,7 @@ def test_every_operation_parses_into_typed_arguments() -> None:
         "drain",
         "report_version",
         "versions",
+        "note_rollout",
         "cancel",
     }
 
@@ -277,9 +291,9 @@ def test_names_are_checked_however_often_a_valid_one_came_before() -> None:
     assert "commit.domain" in str(
         _bad({"id": 1, "op": "commit", "args": {**_OK, "domain": "nvme\n"}})
     )
-    for i in range(codec._MAX_NAMES + 10):  # the set of names seen stays bounded
+    for i in range(requests._MAX_NAMES + 10):  # the set of names seen stays bounded
         _parse("state", stream=f"s{i}")
-    assert len(codec._NAMES) <= codec._MAX_NAMES
+    assert len(requests._NAMES) <= requests._MAX_NAMES
 
 
 def test_the_frame_encoder_gives_the_bytes_of_encode_frame() -> None:

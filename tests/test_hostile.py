@@ -670,6 +670,7 @@ OP_ARGS: dict[str, tuple[str, ...]] = {
     "drain": ("node", "streams", "checkpoint", "timeout", "versions"),
     "report_version": ("component", "running", "accepts"),
     "versions": ("stream",),
+    "note_rollout": ("text",),
     "cancel": ("target",),
 }
 assert set(OP_ARGS) == set(codec.OPS)
@@ -739,6 +740,7 @@ GOOD_ARGS: dict[str, st.SearchStrategy[Any]] = {
     "component": st.one_of(st.just("driver"), NAMES),
     "running": st.text(max_size=10),
     "accepts": st.lists(st.text(max_size=10), max_size=3),
+    "text": st.text(max_size=20),
 }
 BAD_VALUES = st.one_of(BAD_NAMES, INTS, FLOATS, VALUES)
 
@@ -932,6 +934,8 @@ def request_expectation(obj: Any, earlier_tasks: set[int], cancels: bool) -> Exp
         outcomes = {"ok"}
     elif req.op == "report_version":
         outcomes = {"rejected/*"}  # the target has no catalogue: nothing to report
+    elif req.op == "note_rollout":
+        return None  # a note is kept: it changes what versions answers
     elif req.op == "drain":
         if req.args["node"] != "node-1":
             outcomes = {"rejected/wrong_node"}

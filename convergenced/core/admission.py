@@ -52,12 +52,13 @@ from convergenced.core.facts import (
     Incarnation,
     Retire,
     Retract,
+    RolloutNote,
 )
 from convergenced.core.gate import OutputGate
 from convergenced.core.limits import MAX_MEMBERS
 from convergenced.core.local_api_codec import ApiError, ErrorKind
 from convergenced.core.node import NodeCore
-from convergenced.core.versions import check_report, is_reserved
+from convergenced.core.versions import check_note, check_report, is_reserved
 
 DEFAULT_MAX_STREAMS = 1024
 DEFAULT_MAX_MEMBERS = MAX_MEMBERS
@@ -198,6 +199,8 @@ class Admission:
             return {"stream": fact.spec.name, "digest": fact.spec.digest.hex()}
         if isinstance(fact, ComponentReport):
             return {"component": fact.component, "durable": True}
+        if isinstance(fact, RolloutNote):
+            return {"noted": True, "durable": True}
         if isinstance(fact, Commit | Retract | Retire):
             return {"stream": fact.stream, "epoch": fact.epoch, "durable": True}
         assert not isinstance(fact, Incarnation)  # the core refuses it: never a client's
@@ -247,6 +250,12 @@ class Admission:
             )
 
     def _admit(self, fact: Fact) -> None:
+        if isinstance(fact, RolloutNote):
+            try:
+                check_note(fact)
+            except FactError as exc:
+                raise rejected(exc) from None
+            return
         if isinstance(fact, ComponentReport):
             try:
                 check_report(fact, self.node.catalogues.get(fact.component))

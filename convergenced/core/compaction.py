@@ -7,6 +7,8 @@ does so every few writes, so replaying compacted logs is checked under every fau
 
 from __future__ import annotations
 
+from collections import deque
+
 from convergenced.core.facts import (
     CloseGenerations,
     ComponentReport,
@@ -15,6 +17,7 @@ from convergenced.core.facts import (
     Freeze,
     HighWater,
     Horizon,
+    RolloutNote,
     Settled,
 )
 from convergenced.core.lives import PastLives
@@ -28,6 +31,7 @@ class Compaction:
     _generation_floors: dict[str, int]
     _lives: PastLives
     _reports: dict[str, ComponentReport]
+    _rollout_notes: deque[str]
 
     def compacted_facts(self) -> list[Fact]:
         """The shortest list of facts whose `replay` rebuilds this node's local state.
@@ -41,6 +45,7 @@ class Compaction:
         stale records as replaying the full log.
         """
         out: list[Fact] = [self._reports[c] for c in sorted(self._reports)]
+        out.extend(RolloutNote(text) for text in self._rollout_notes)
         for name in sorted(self._streams):
             f = self._streams[name].facts
             out.append(Declare(f.spec))

@@ -33,6 +33,10 @@ from convergenced.core.interval_set import EMPTY, MAX_EPOCH, IntervalSet
 from convergenced.core.spec import PolicyMode, StreamSpec
 from convergenced.core.validate import NAME_RE
 
+# Re-exported: they are facts like the others (`Fact`), kept in a module of their own.
+from convergenced.core.version_facts import ComponentReport as ComponentReport  # noqa: PLC0414
+from convergenced.core.version_facts import RolloutNote as RolloutNote  # noqa: PLC0414
+
 
 @dataclass(frozen=True, slots=True)
 class Declare:
@@ -228,17 +232,6 @@ class Settled:
     stream: str
 
 
-@dataclass(frozen=True, slots=True)
-class ComponentReport:
-    """This node runs version ``running`` of ``component`` (a driver, a firmware, ...)
-    and works beside peers that run any of ``accepts`` (`versions`). The latest report
-    of a component replaces the one before."""
-
-    component: str
-    running: str
-    accepts: tuple[str, ...]
-
-
 Fact = (
     Declare
     | Undeclare
@@ -253,6 +246,7 @@ Fact = (
     | Incarnation
     | Settled
     | ComponentReport
+    | RolloutNote
 )
 EpochFact = Commit | Retract | Retire
 

@@ -114,6 +114,7 @@ def versions_to_wire(node: NodeCore, streams: list[str]) -> dict[str, Any]:
         "streams": {
             s: {v.component: component_view_to_wire(v) for v in node.versions(s)} for s in streams
         },
+        "rollout_notes": node.rollout_notes(),
     }
 
 

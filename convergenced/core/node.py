@@ -56,6 +56,7 @@ from convergenced.core.facts import (
     RankState,
     Retire,
     Retract,
+    RolloutNote,
     Settled,
     Stored,
     Undeclare,
@@ -73,7 +74,12 @@ from convergenced.core.records import Record, View
 from convergenced.core.spec import StreamSpec
 from convergenced.core.status import StreamStatus, describe
 from convergenced.core.stream_state import StreamState
-from convergenced.core.versions import Catalogue, check_report_shape
+from convergenced.core.versions import (
+    MAX_ROLLOUT_NOTES,
+    Catalogue,
+    check_note,
+    check_report_shape,
+)
 
 __all__ = [
     "GenerationAnswer",
@@ -132,6 +138,7 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests, NodeVersions, Com
         self._started_at = incarnation
         self._catalogues = {c.component: c for c in catalogues}
         self._reports: dict[str, ComponentReport] = {}
+        self._rollout_notes: deque[str] = deque(maxlen=MAX_ROLLOUT_NOTES)
         self._version_problems: dict[str, str] = {}
         """Lives of ours at or above this one are lives this process does not remember."""
 
@@ -192,6 +199,9 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests, NodeVersions, Com
             return
         if isinstance(fact, ComponentReport):
             check_report_shape(fact)
+            return
+        if isinstance(fact, RolloutNote):
+            check_note(fact)
             return
         st = self._streams.get(fact.stream)
         if st is None and isinstance(fact, CloseGenerations):
@@ -330,6 +340,9 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests, NodeVersions, Com
             return fact.stream
         if isinstance(fact, ComponentReport):
             self._reports[fact.component] = fact
+            return ""
+        if isinstance(fact, RolloutNote):
+            self._rollout_notes.append(fact.text)
             return ""
         if isinstance(fact, CloseGenerations) and fact.stream not in self._streams:
             self.close_undeclared(fact.stream, fact.below)

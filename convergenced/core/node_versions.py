@@ -11,6 +11,7 @@ the jobs' streams only.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Mapping
 
 from convergenced.core.errors import FactError, SpecError, UnknownStreamError
@@ -40,6 +41,7 @@ class NodeVersions:
     _catalogues: dict[str, Catalogue]
     _reports: dict[str, ComponentReport]
     _version_problems: dict[str, str]
+    _rollout_notes: deque[str]
 
     _apply: Callable[[Fact], str]  # NodeCore's
     status: Callable[[str], StreamStatus]  # NodeCore's
@@ -54,6 +56,10 @@ class NodeVersions:
     def reports(self) -> dict[str, ComponentReport]:
         """The latest report of each component (what this node runs and accepts)."""
         return dict(self._reports)
+
+    def rollout_notes(self) -> list[str]:
+        """The rollout audit notes this node keeps, oldest first."""
+        return list(self._rollout_notes)
 
     def streams(self) -> list[str]:
         """The streams jobs declared here, sorted (never the companions)."""

@@ -46,7 +46,15 @@ from dataclasses import dataclass
 
 from convergenced.core.agreement import Knowledge
 from convergenced.core.errors import FactError
-from convergenced.core.facts import Commit, ComponentReport, Declare, Fact, Retract, Undeclare
+from convergenced.core.facts import (
+    Commit,
+    ComponentReport,
+    Declare,
+    Fact,
+    Retract,
+    RolloutNote,
+    Undeclare,
+)
 from convergenced.core.interval_set import EMPTY, IntervalSet
 from convergenced.core.packing import pack
 from convergenced.core.spec import Policy, StreamSpec
@@ -66,6 +74,10 @@ MAX_VERSION_CHARS = 64
 """One version string."""
 MAX_COMPONENT_CHARS = 32
 """A component name."""
+MAX_ROLLOUT_NOTES = 64
+"""Rollout audit notes a node keeps (the oldest go first)."""
+MAX_NOTE_CHARS = 4096
+"""One rollout audit note."""
 
 
 class VersionError(FactError):
@@ -183,6 +195,13 @@ def check_report(report: ComponentReport, catalogue: Catalogue | None) -> None:
         if catalogue.index(v) is None:
             raise VersionError(f"version {v!r} is not in the catalogue of {report.component}",
                             reason="unknown_version")  # fmt: skip
+
+
+def check_note(note: RolloutNote) -> None:
+    """Raise VersionError unless ``note`` is text within `MAX_NOTE_CHARS`."""
+    if not isinstance(note.text, str) or not 0 < len(note.text) <= MAX_NOTE_CHARS:
+        raise VersionError(f"note: expected 1 to {MAX_NOTE_CHARS} chars of text",
+                           reason="bad_note")  # fmt: skip
 
 
 def companion_spec(job: StreamSpec, catalogue: Catalogue) -> StreamSpec:

@@ -23,6 +23,7 @@ from convergenced.core.facts import (
     RankState,
     Retire,
     Retract,
+    RolloutNote,
     Settled,
     Undeclare,
 )
@@ -42,6 +43,8 @@ def encode_entry(entry: Entry) -> list[Any]:
         return ["incarnation", entry.number, *([True] if entry.unsure else [])]
     if isinstance(entry, Settled):
         return ["settled", entry.stream]
+    if isinstance(entry, RolloutNote):
+        return ["rollout_note", entry.text]
     if isinstance(entry, ComponentReport):
         return ["component", entry.component, entry.running, list(entry.accepts)]
     if isinstance(entry, Declare):
@@ -108,6 +111,11 @@ def decode_entry(obj: Any) -> Entry:
             if not isinstance(stream, str):
                 raise ValueError("bad stream")
             return Settled(stream)
+        if kind == "rollout_note":
+            (text,) = args
+            if not isinstance(text, str):
+                raise ValueError("bad rollout note")
+            return RolloutNote(text)
         if kind == "component":
             component, running, accepts = args
             if not all(isinstance(x, str) for x in (component, running, *accepts)):

@@ -427,6 +427,7 @@ OPERATIONS: dict[str, Operation] = {
     "retract": Operation(OpKind.FACT, _fact),
     "retire": Operation(OpKind.FACT, _fact),
     "report_version": Operation(OpKind.FACT, _fact),
+    "note_rollout": Operation(OpKind.FACT, _fact),
     "status": Operation(OpKind.READ, lambda ops, a, emit: ops.status()),
     "streams": Operation(OpKind.READ, lambda ops, a, emit: ops.streams()),
     "versions": Operation(OpKind.READ, lambda ops, a, emit: ops.versions(a["stream"])),
