@@ -58,6 +58,18 @@ def test_a_refused_fact_stops_the_run_and_the_ones_before_it_stand() -> None:
     assert node.own_record("job") is not None
 
 
+def test_checked_skips_the_check_of_commits_only() -> None:
+    node = declared(SPEC)
+    # Admission checks each commit before handing the run in; anything else in a run
+    # is still checked, and refused without a change.
+    with pytest.raises(FactError):
+        node.apply_many([Commit("job", 0, "nvme", 1), Retract("job", 9, "nvme", 1)],
+                        checked=True)  # fmt: skip
+    assert node.take_pending_facts() == [Commit("job", 0, "nvme", 1)]
+    node.apply_many([Commit("job", r, "nvme", 1) for r in (1, 2, 3)], checked=True)
+    assert node.restore_point("job") == 1
+
+
 def test_a_declaration_comes_out_before_the_settled_fact_it_leads_to() -> None:
     node = NodeCore("a", 1, unsure_of_past=True)
     solo = StreamSpec.create("solo", {"a": [0]}, Policy.all_of("nvme"))

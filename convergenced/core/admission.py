@@ -147,7 +147,7 @@ class Admission:
         for fact in commits:
             key = (fact.stream, fact.rank, fact.domain, fact.epoch)
             if key in held:
-                self.node.apply_many(run)
+                self.node.apply_many(run, checked=True)
                 run, held = [], set()
             try:
                 self._admit(fact)
@@ -162,8 +162,9 @@ class Admission:
                 run.append(fact)
                 held.add(key)
             out.append(Admitted(self._reply(fact), repeat=repeat))
-        # Each was checked against the state apply_many applies it to: none is refused.
-        self.node.apply_many(run)
+        # Each was checked (`_repeats`) against the state apply_many applies it to:
+        # none is refused, and none is checked again.
+        self.node.apply_many(run, checked=True)
         return out
 
     def _repeats(self, fact: Fact) -> bool:

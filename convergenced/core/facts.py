@@ -371,13 +371,21 @@ class StreamFacts:
         return epoch in self.available.get((rank, domain), EMPTY)
 
     def apply(self, fact: EpochFact) -> bool:
-        """Apply a checked fact; return True when the recoverable set or newest changed.
+        """Check and apply a fact; return True when the recoverable set or newest changed.
 
         A commit of an epoch already held replaces its `Content` (the log holds the
         commits admitted, in order: the last one stands); `commits` decides which
         may be admitted.
+
+        Raises:
+            FactError: refused (`check`); nothing changed.
         """
         self.check(fact)
+        return self.apply_checked(fact)
+
+    def apply_checked(self, fact: EpochFact) -> bool:
+        """`apply` a fact that `check` just accepted against this state (the caller
+        checked it: `NodeCore`), without checking it again."""
         key = (fact.rank, fact.domain)
         self._set_content(key, fact)
         before = self.available.get(key, EMPTY)

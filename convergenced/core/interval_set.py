@@ -87,7 +87,12 @@ class IntervalSet:
         if not isinstance(epoch, int):
             return False
         rs = self._ranges
-        lo_i, hi_i = 0, len(rs)
+        if not rs:
+            return False
+        lo, hi = rs[-1]  # the commit path asks about the newest epochs: the last range
+        if epoch >= lo:
+            return epoch <= hi
+        lo_i, hi_i = 0, len(rs) - 1
         while lo_i < hi_i:
             mid = (lo_i + hi_i) // 2
             lo, hi = rs[mid]

@@ -242,7 +242,7 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests, NodeVersions, Com
             if name in self._streams:  # not after an undeclaration
                 self._refresh(name)
 
-    def apply_many(self, facts: Iterable[Fact]) -> None:
+    def apply_many(self, facts: Iterable[Fact], *, checked: bool = False) -> None:
         """Apply facts in order, then re-evaluate each stream they touched once.
 
         For facts that come together (the commits of one read from a local client):
@@ -253,6 +253,12 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests, NodeVersions, Com
         the facts: they come out of `take_pending_facts`, in order and ahead of the
         facts the refresh produces, so the gate gives them their positions and
         holds back what reveals them like any fact (`convergenced.core.gate`).
+
+        ``checked``: the caller checked every commit among ``facts`` (`check`)
+        against the state before them, as `Admission.submit_commits` does, and they
+        are not checked again (other facts still are). A commit changes nothing a
+        commit's check reads (the stream's ranks, its retired epochs), so that is
+        the same as checking each one as it comes.
 
         Raises:
             FactError, SpecError, SpecConflictError: a fact was refused; the ones
@@ -267,7 +273,7 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests, NodeVersions, Com
                 at = len(self._pending_facts)
                 self._pending_facts.append(fact)
                 try:
-                    touched[self._apply(fact)] = None
+                    touched[self._apply(fact, checked=checked)] = None
                 except BaseException:
                     del self._pending_facts[at]  # refused: nothing changed
                     raise
@@ -317,8 +323,9 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests, NodeVersions, Com
                 f.horizon = max(f.high_water - f.spec.retention, 0)
             self._refresh(name)
 
-    def _apply(self, fact: Fact) -> str:
-        self.check(fact)
+    def _apply(self, fact: Fact, *, checked: bool = False) -> str:
+        if not (checked and isinstance(fact, Commit)):
+            self.check(fact)
         if isinstance(fact, Declare):
             if fact.spec.name not in self._streams:
                 st = self._streams[fact.spec.name] = self._new_stream(fact.spec)
@@ -349,7 +356,7 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests, NodeVersions, Com
             return fact.stream
         st = self._streams[fact.stream]
         if isinstance(fact, Commit | Retract | Retire):
-            st.facts.apply(fact)
+            st.facts.apply_checked(fact)  # checked above (`check`: StreamFacts.check)
         elif isinstance(fact, Freeze):
             st.generations.freeze(fact.generation, fact.epochs)
         elif isinstance(fact, CloseGenerations):

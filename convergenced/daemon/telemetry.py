@@ -108,6 +108,11 @@ class Telemetry:
         self._last_warned: dict[str, float] = {}
         self._unlogged: dict[str, int] = {}
         """Rate-limited events counted since their last log line, by key."""
+        self._applied: dict[type, Any] = {}
+        """`facts` children by fact type, and `commits` (accepted) children by domain:
+        looked up once, as `.labels` costs more than the increment on the commit path.
+        Neither family ever has a child removed, so a cached child is never stale."""
+        self._accepted: dict[str, Any] = {}
 
     def watch(self, source: StateSource) -> None:
         """Export the state metrics of ``source`` at every scrape."""
@@ -146,11 +151,20 @@ class Telemetry:
 
     def fact_applied(self, fact: Fact) -> None:
         """A client's fact was applied (acknowledged once durable)."""
-        self.facts.labels(type=type(fact).__name__.lower()).inc()
-        if isinstance(fact, Declare):
+        kind = type(fact)
+        child = self._applied.get(kind)
+        if child is None:
+            child = self._applied[kind] = self.facts.labels(type=kind.__name__.lower())
+        child.inc()
+        if isinstance(fact, Commit):
+            accepted = self._accepted.get(fact.domain)
+            if accepted is None:
+                accepted = self._accepted[fact.domain] = self.commits.labels(
+                    domain=fact.domain, outcome="accepted"
+                )
+            accepted.inc()
+        elif isinstance(fact, Declare):
             self.prime([(fact.spec.name, fact.spec.policy.domains)], ())
-        elif isinstance(fact, Commit):
-            self.commits.labels(domain=fact.domain, outcome="accepted").inc()
         elif isinstance(fact, Retract):
             self.retractions.labels(stream=fact.stream).inc()
         elif isinstance(fact, Undeclare):
