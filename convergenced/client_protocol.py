@@ -26,6 +26,8 @@ still unanswered (`RETRIED`), each of which may be sent twice because:
 * ``commit``: a commit the daemon already holds, with the same digest, is
   acknowledged once durable and adds no fact, so it is never counted twice;
 * ``retract``: the epoch is not held either way;
+* ``versions``: a read; ``report_version``: the same report again is a repeat,
+  acknowledged and not logged twice;
 * ``retire``: a retirement that already happened is refused (``not_safe_to_delete``:
   the epoch is no longer held) and the caller keeps its file; the checkpoint store
   deletes it when the daemon later refuses its commit as ``retired``.
@@ -131,6 +133,8 @@ RETRIED = frozenset(
     {
         "status",
         "streams",
+        "versions",
+        "report_version",
         "declare",
         "commit",
         "retract",

@@ -199,3 +199,15 @@ def test_the_fleet_figure_intersects_every_node_heard_from() -> None:
         c=report("550.54.15", "550.54.15"),
     )
     assert a.fleet_versions() == {"driver": (("550.54.15",), 3)}
+
+
+def test_a_fleet_that_rolls_back_acknowledges_the_older_version_again() -> None:
+    both = report("555.42.02", "550.54.15", "555.42.02")
+    ns = cluster(a=both, b=both, c=both)
+    assert ns[0].versions("job")[0].acknowledged == "555.42.02"
+    for n in ns:  # the new driver is pulled everywhere: back to 550, 555 dropped
+        n.apply(report("550.54.15"))
+    sync(*ns)
+    for n in ns:
+        (view,) = n.versions("job")
+        assert view.acknowledged == "550.54.15" and view.knowledge == Knowledge.PUBLISHED

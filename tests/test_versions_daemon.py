@@ -19,6 +19,7 @@ from daemons import LocalCluster, until
 from prometheus_client.parser import text_string_to_metric_families
 
 from convergenced.client import ApiError
+from convergenced.core.versions import Catalogue
 
 CATALOGUE = ["535.161.08", "550.54.15", "555.42.02"]
 OLD, NEW = "550.54.15", "555.42.02"
@@ -130,6 +131,12 @@ def test_bad_reports_and_reserved_names_are_refused_and_change_nothing(
     with pytest.raises(ApiError) as err:
         c.declare(reserved)
     assert err.value.reason == "reserved_stream"
+    companion = Catalogue.create("driver", CATALOGUE).companion_name("job")  # declared
+    for name in (companion, reserved["name"]):
+        for call in (c.versions, c.state):
+            with pytest.raises(ApiError) as err:
+                call(name)
+            assert err.value.reason == "unknown_stream"
     assert c.versions() == before
     out = ctl(cluster, 1, "report-version", "driver", "560.1")
     assert out.returncode == 1 and "unknown_version" in out.stderr

@@ -43,7 +43,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from convergenced.core.commits import Verdict, check_digest
-from convergenced.core.errors import FactError, SpecConflictError, SpecError
+from convergenced.core.errors import (
+    FactError,
+    SpecConflictError,
+    SpecError,
+    UnknownStreamError,
+)
 from convergenced.core.facts import (
     Commit,
     ComponentReport,
@@ -208,7 +213,10 @@ class Admission:
         return {"stream": fact.stream, "durable": True}
 
     def known(self, stream: str) -> None:
-        """Raise ``rejected``/``unknown_stream`` unless ``stream`` is declared here."""
+        """Raise ``rejected``/``unknown_stream`` unless ``stream`` is a job's stream
+        declared here (a version companion is the daemon's own: `versions`)."""
+        if is_reserved(stream):
+            raise rejected(UnknownStreamError(stream))
         try:
             self.node.spec(stream)
         except FactError as exc:

@@ -204,14 +204,22 @@ def check_note(note: RolloutNote) -> None:
                            reason="bad_note")  # fmt: skip
 
 
+COMPANION_RETENTION = MAX_VERSIONS
+"""The companions' retention: a rollback of the acknowledged version may go to any
+older version of the catalogue. (A checkpoint stream's retention bounds how far back
+a rollback may go, since the members delete what lies below it; nothing is ever
+deleted for a version, and with a smaller retention a fleet that stopped accepting
+its newest version could acknowledge none at all.)"""
+
+
 def companion_spec(job: StreamSpec, catalogue: Catalogue) -> StreamSpec:
     """The companion of ``job`` for ``catalogue``'s component: the same members,
-    ranks and membership, the reserved name and policy, no retention."""
+    ranks and membership, the reserved name and policy, `COMPANION_RETENTION`."""
     return StreamSpec.create(
         catalogue.companion_name(job.name),
         dict(job.members),
         COMPANION_POLICY,
-        0,
+        COMPANION_RETENTION,
         membership=job.membership,
     )
 
