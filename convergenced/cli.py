@@ -184,6 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
     marker = sub.add_parser("marker", help=marker_mod.HELP, description=marker_mod.DESCRIPTION)
     marker_mod.add_arguments(marker)
 
+    from convergenced.rollout import command as rollout_mod
+
+    rollout = sub.add_parser("rollout", help=rollout_mod.HELP, description=rollout_mod.DESCRIPTION)
+    rollout_mod.add_arguments(rollout)
+
     sim = sub.add_parser(
         "sim",
         help="run the deterministic cluster simulator with faults and the S1-S5 oracle",
@@ -371,6 +376,10 @@ def main(argv: list[str] | None = None) -> int:
         from convergenced.sim import runner
 
         return runner.command(args)
+    if args.command == "rollout":
+        from convergenced.rollout import command as rollout_run
+
+        return rollout_run.run(args)
     if args.command == "marker":
         from convergenced.markers import command as marker_run
 

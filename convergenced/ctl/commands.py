@@ -123,6 +123,7 @@ COMMANDS: dict[str, Command] = {
         lambda r, a: format_restore_point(r),
     ),
     "versions": Command(lambda c, a: c.versions(a.stream), lambda r, a: format_versions(r)),
+    "rollout-note": Command(lambda c, a: c.note_rollout(a.text), lambda r, a: "noted (durable)"),
     "report-version": Command(
         lambda c, a: c.report_version(a.component, a.version, a.accepts),
         lambda r, a: f"reported {r['component']} {a.version} (durable)",

@@ -241,6 +241,14 @@ def _add_versions(add: Callable[[str, str, str], argparse.ArgumentParser]) -> No
         metavar="V1,V2",
         help="the versions peers may run beside this node (default: VERSION only)",
     )
+    p = add(
+        "rollout-note",
+        "add a note to this node's rollout audit trail",
+        "Add TEXT (a JSON object, at most 4096 chars) to this node's rollout audit trail, "
+        "kept in its log (the newest 64; `versions` shows them). Written by "
+        "`convergenced rollout` at each step of a node.",
+    )
+    p.add_argument("text", metavar="TEXT")
 
 
 def _add_gate(add: Callable[[str, str, str], argparse.ArgumentParser]) -> None:

@@ -72,6 +72,10 @@ class TlsFiles:
     ca: Path
 
 
+MAX_LABELS = 32
+"""Labels of one node (``[labels]``)."""
+
+
 @dataclass(frozen=True, slots=True)
 class ComponentConfig:
     """``[components.NAME]``: the fleet's versions of a component, oldest first, and
@@ -131,6 +135,9 @@ class Config:
     """Local API clients allowed by group (primary or supplementary)."""
     components: tuple[ComponentConfig, ...] = ()
     """The version catalogues (and seed reports) of the version handshake."""
+    labels: tuple[tuple[str, str], ...] = ()
+    """(name, value) pairs this node carries (``[labels]``): what a rollout plan's
+    ``select`` matches, shown by ``status``."""
     source: str = "<defaults>"
 
     @property
@@ -160,7 +167,7 @@ _TOP = {
     "node_id", "cluster", "listen", "peers", "socket_path", "state_dir",
     "tick_ms", "idle_ticks", "dead_ticks", "mesh_limit", "log_level", "limits",
     "wal_compact_bytes", "wal_group_commit", "insecure", "tls", "identity", "trust", "local",
-    "metrics_listen", "components",
+    "metrics_listen", "components", "labels",
 }  # fmt: skip
 
 
@@ -221,6 +228,7 @@ def parse(raw: Mapping[str, Any], source: str = "<config>") -> Config:
         ),
         limits=v.limits(raw.get("limits", {})),
         components=v.components(raw.get("components", {})),
+        labels=v.labels(raw.get("labels", {})),
         **v.security(raw, node_id, peers),
         source=source,
     )
@@ -372,6 +380,14 @@ class _Validator:
         if not isinstance(value, list) or not all(type(x) is int and 0 <= x < 2**32 for x in value):
             raise self.fail(f"local.{key}", f"{value!r}; expected a list of numeric ids")
         return tuple(value)
+
+    def labels(self, value: Any) -> tuple[tuple[str, str], ...]:
+        if not isinstance(value, Mapping) or len(value) > MAX_LABELS:
+            raise self.fail("labels", f'expected a table of at most {MAX_LABELS} name = "value"')
+        for k, v in value.items():
+            if not NAME_RE.match(k) or not isinstance(v, str) or len(v) > 128:
+                raise self.fail(f"labels.{k}", f"{v!r}; expected a string of at most 128 chars")
+        return tuple(sorted(value.items()))
 
     def components(self, value: Any) -> tuple[ComponentConfig, ...]:
         if not isinstance(value, Mapping):

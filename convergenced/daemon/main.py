@@ -64,7 +64,7 @@ SHUTDOWN_GRACE_S = 5.0
 RESTART_TO_CHANGE = (
     "node_id", "cluster", "listen_host", "listen_port", "socket_path", "state_dir",
     "tick_ms", "idle_ticks", "dead_ticks", "wal_group_commit", "limits", "insecure",
-    "tls", "identity", "allowed_uids", "allowed_gids", "components",
+    "tls", "identity", "allowed_uids", "allowed_gids", "components", "labels",
 )  # fmt: skip
 """Settings a reload cannot change (the daemon keeps running the old ones)."""
 

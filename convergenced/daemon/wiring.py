@@ -118,6 +118,7 @@ class Running:
         return {
             "node": cfg.node_id,
             "cluster": cfg.cluster,
+            "labels": dict(cfg.labels),
             "insecure": cfg.insecure,
             "warnings": [INSECURE_WARNING] if cfg.insecure else [],
             "version": __version__,
