@@ -279,3 +279,26 @@ def test_the_version_oracle_catches_a_version_acknowledged_that_a_member_never_a
     monkeypatch.setattr(Catalogue, "indices", one_more)
     results = [Simulation(cfg).run() for cfg in _configs(10, faults=frozenset({"upgrade"}))]
     assert any(r.violation is not None and r.violation.invariant == "V1" for r in results)
+
+
+def test_a_gated_rollout_never_runs_incompatible_versions_and_loses_less_than_naive() -> None:
+    from convergenced.sim.rollouts import STRATEGIES
+
+    by = {}
+    for strategy in STRATEGIES:
+        summary = run_seeds(_configs(12, start=700, rollout=strategy))
+        assert summary.failures == [], strategy
+        by[strategy] = summary.compare
+    gated, naive = by["gated"], by["naive"]
+    assert gated["rollout_drains"] > 0 and gated["rollout_incompatible"] == 0
+    assert naive["rollout_incompatible"] > 0
+    per_drain = {s: c["rollout_lost_epochs"] / c["rollout_drains"] for s, c in by.items()}
+    assert per_drain["gated"] < per_drain["naive"] and per_drain["gated"] < per_drain["flip"]
+
+
+def test_the_rollout_comparison_prints_one_row_per_strategy() -> None:
+    p = _sim("--seeds", "2", "--seed", "40", "--rollout", "--faults", "crash")
+    rows = p.stdout.splitlines()
+    assert rows[1].split()[:2] == ["strategy", "runs"]
+    assert [r.split()[0] for r in rows[2:5]] == ["naive", "flip", "gated"]
+    assert "--rollout gated" in replay_command(SimConfig(seed=3, rollout="gated"))

@@ -34,6 +34,9 @@ class SimConfig:
     happens). Skipped past 64 nodes, where it would dominate the run time."""
     workload: bool = True
     """False: only the final commit of the liveness phase (for scale runs)."""
+    rollout: str | None = None
+    """A driver rollout during the faulty phase, by this strategy (`rollouts`):
+    ``naive``, ``flip`` or ``gated``."""
 
 
 @dataclass

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from convergenced.sim.baselines import BASELINES
+from convergenced.sim.rollouts import STRATEGIES
+from convergenced.sim.rollouts import table as rollout_table
 from convergenced.sim.workload import lattice_fraction
 from convergenced.sim.world import FAULTS, Result, SimConfig, Simulation, liveness_bound
 
@@ -40,6 +42,8 @@ def replay_command(cfg: SimConfig) -> str:
         parts += ["--domains", str(cfg.domains)]
     if not cfg.workload:
         parts += ["--no-workload"]
+    if cfg.rollout:
+        parts += ["--rollout", cfg.rollout]
     if cfg.compare:
         compared = [b for b in BASELINES if b in cfg.compare]
         parts += ["--compare", "all" if len(compared) == len(BASELINES) else compared[0]]
@@ -252,6 +256,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="no training workload: only the final commit (for scale runs)",
     )  # fmt: skip
     p.add_argument("--no-lattice", action="store_true", help="skip the epoch-lattice table")
+    p.add_argument(
+        "--rollout", nargs="?", const="all", choices=[*STRATEGIES, "all"], metavar="STRATEGY",
+        help="roll a driver out during the faulty phase and compare the strategies on the "
+        "same seeds: naive (a rolling update on a timer), flip (every node at one time), "
+        "gated (the drain gate and the version handshake), or all (the default): how often "
+        "a job ran incompatible versions, drains without a restorable checkpoint, epochs "
+        "lost per drain",
+    )  # fmt: skip
 
 
 def _compared(choice: str | None) -> frozenset[str]:
@@ -272,6 +284,8 @@ def command(args: argparse.Namespace) -> int:
         workload=not args.no_workload,
     )
     configs = [replace(base, seed=s) for s in range(args.seed, args.seed + args.seeds)]
+    if args.rollout:
+        return _rollouts(configs, args)
     summary = run_seeds(configs, jobs=args.jobs, progress=not args.json and sys.stderr.isatty())
     result = summary.to_json()
     result["nodes"] = args.nodes
@@ -284,6 +298,28 @@ def command(args: argparse.Namespace) -> int:
     else:
         _print_human(result)
     return 1 if summary.violations or summary.converged < summary.runs else 0
+
+
+def _rollouts(configs: list[SimConfig], args: argparse.Namespace) -> int:
+    """`convergenced sim --rollout`: the same seeds under each strategy, side by side."""
+    chosen = STRATEGIES if args.rollout == "all" else (args.rollout,)
+    by: dict[str, dict[str, int]] = {}
+    failures: list[dict[str, Any]] = []
+    for name in chosen:
+        s = run_seeds([replace(c, rollout=name) for c in configs], jobs=args.jobs)
+        by[name] = {**s.compare, "runs": s.runs, "violations": s.violations}
+        failures += s.failures
+    if args.json:
+        print(json.dumps({"rollout": by, "failures": failures}, sort_keys=True))
+    else:
+        faults = ", ".join(sorted(configs[0].faults)) or "none"
+        print(f"driver rollout under faults ({faults}), {len(configs)} seeds of "
+              f"{configs[0].nodes} nodes each")  # fmt: skip
+        print("\n".join(rollout_table(by)))
+        for f in failures[:10]:
+            print(f"\nVIOLATION {f['invariant']} at seed {f['seed']}: {f['detail']}")
+            print(f"  replay: {f['replay']}")
+    return 1 if failures else 0
 
 
 def _print_human(r: dict[str, Any]) -> None:

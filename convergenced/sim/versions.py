@@ -73,10 +73,14 @@ class SimVersions:
         """Each node's last report (what its hook would report at its next start)."""
         self.ever: defaultdict[str, set[int]] = defaultdict(set)
         """Per node, every catalogue position it ever reported accepting."""
+        self.initial: tuple[str, tuple[str, ...]] | None = None
+        """The first report of a node that has none yet (None: drawn at random)."""
 
-    def _report_of(self, nid: str) -> ComponentReport:
+    def report_of(self, nid: str) -> ComponentReport:
         """``nid``'s last report; the first is drawn when it is first needed."""
         report = self.reports.get(nid)
+        if report is None and self.initial is not None:
+            report = self.set_report(nid, *self.initial)
         if report is None:
             running = self.rng.randrange(1, len(CATALOGUE.versions) - 1)
             report = self._set(nid, running, running - self.rng.randint(0, 1),
@@ -96,10 +100,18 @@ class SimVersions:
         self.ever[nid].update(range(lo, hi + 1))
         return report
 
+    def set_report(self, nid: str, running: str, accepts: tuple[str, ...]) -> ComponentReport:
+        """``nid`` now runs ``running`` and accepts ``accepts`` (a rollout's steps);
+        returns the report, to submit."""
+        report = ComponentReport(CATALOGUE.component, running, accepts)
+        self.reports[nid] = report
+        self.ever[nid].update(CATALOGUE.indices(accepts))
+        return report
+
     def report(self, nid: str) -> None:
         """``nid``'s hook reports its versions (at its start, after a restart)."""
         if self.on:
-            self.world.submit(nid, self._report_of(nid))
+            self.world.submit(nid, self.report_of(nid))
 
     def upgrade(self) -> bool:
         """The ``upgrade`` fault: one node reports another version or another set of
@@ -112,7 +124,7 @@ class SimVersions:
             return False
         nid = rng.choice(alive)
         n = len(CATALOGUE.versions)
-        now = CATALOGUE.index(self._report_of(nid).running) or 0
+        now = CATALOGUE.index(self.report_of(nid).running) or 0
         running = min(max(now + rng.choice([-1, 1, 1]), 0), n - 1)
         lo = max(running - rng.randint(0, 2), 0)
         hi = min(running + rng.randint(0, 2), n - 1)
@@ -140,7 +152,7 @@ class SimVersions:
     def wanted(self) -> str | None:
         """The version every member of the job must acknowledge once faults stop:
         the newest one every member's last report accepts."""
-        sets = [CATALOGUE.indices(self._report_of(m).accepts) for m in self.world.spec.member_ids]
+        sets = [CATALOGUE.indices(self.report_of(m).accepts) for m in self.world.spec.member_ids]
         return CATALOGUE.name(IntervalSet.intersect_all(sets).max())
 
     def converged(self) -> bool:

@@ -44,6 +44,7 @@ from convergenced.sim.network import STREAM, Connection, Network, pair
 from convergenced.sim.node import LogWrite, SimNode
 from convergenced.sim.oracle import InvariantViolation, Truth
 from convergenced.sim.placement import Placement
+from convergenced.sim.rollouts import Rollout
 from convergenced.sim.storage import Storage
 from convergenced.sim.versions import SimVersions
 from convergenced.sim.workload import domain_models, domain_names
@@ -76,9 +77,15 @@ class Simulation(DaemonLives):
         self.result = Result(cfg.seed)
         self.phase = "safety"
         faults = cfg.faults
-        self.versions = SimVersions(self, cfg.seed, enabled="upgrade" in faults,
-                                    sampled=faults >= set(FAULTS))  # fmt: skip
-        if faults >= set(FAULTS) and rng.random() >= MEMBERSHIP_SHARE:
+        every = faults >= set(FAULTS)
+        if cfg.rollout:  # the rollout moves the versions: the upgrade fault stays off
+            faults -= {"upgrade"}
+        moves = "upgrade" in faults or bool(cfg.rollout)
+        self.versions = SimVersions(self, cfg.seed, enabled=moves,
+                                    sampled=every and not cfg.rollout)  # fmt: skip
+        if cfg.rollout:
+            self.versions.rate = 0.0
+        if every and rng.random() >= MEMBERSHIP_SHARE:
             faults -= MEMBERSHIP_FAULTS  # swarm testing: off in this seed
         spares = SPARES if faults & MEMBERSHIP_FAULTS else 0
         total = cfg.nodes + spares
@@ -140,6 +147,7 @@ class Simulation(DaemonLives):
         self.latency_us = cfg.latency_us
         self.liveness = Liveness(self)
         self.baselines = Baselines(self, cfg.compare)
+        self.rollout = Rollout(self, cfg.rollout) if cfg.rollout else None
         self._check_all = cfg.check_every_event and cfg.nodes <= 64
         self._rp_moved = False
         self.closed_below: dict[str, int] = {}
@@ -195,6 +203,8 @@ class Simulation(DaemonLives):
         r.trace_tail = self.loop.trace_tail
         r.fault_counts = dict(self.faults.counts)
         r.compare = dict(self.baselines.counts)
+        if self.rollout is not None:
+            r.compare |= {f"rollout_{k}": v for k, v in self.rollout.counts.items()}
         return r
 
     def _after_event(self) -> bool:
@@ -264,6 +274,8 @@ class Simulation(DaemonLives):
         loop.at(FAULT_STEP, self._fault_step)
         if self.cfg.compare:
             self.baselines.start()
+        if self.rollout is not None:
+            self.rollout.start()
 
     def _declare(self, nid: str) -> None:
         """The job's ranks on ``nid`` declare its spec (a node it left declares none)."""
