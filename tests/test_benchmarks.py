@@ -99,6 +99,14 @@ def test_frames_smoke(tmp_path: Path) -> None:
     assert "peer path / floor" in _fragment(tmp_path, "frames", "bench_frames.py")
 
 
+def test_rollout_smoke(tmp_path: Path) -> None:
+    data = _run("bench_rollout.py", "--jobs", "1", out=tmp_path)
+    assert data["violations"] == 0
+    assert set(data["strategies"]) == {"naive", "flip", "gated"}
+    assert all(s["rollout_samples"] > 0 for s in data["strategies"].values())
+    assert "epochs lost/drain" in _fragment(tmp_path, "rollout", "bench_rollout.py")
+
+
 def test_report_splices_fragments_between_markers_and_nothing_else() -> None:
     doc = (
         "# Title\nprose stays\n<!-- bench:etcd -->\nold table\n<!-- /bench:etcd -->\n"
@@ -115,7 +123,8 @@ def test_report_splices_fragments_between_markers_and_nothing_else() -> None:
 def test_benchmarks_md_has_a_marker_for_every_fragment_make_bench_writes() -> None:
     makefile = (REPO / "Makefile").read_text()
     doc = (REPO / "BENCHMARKS.md").read_text()
-    for name in ("etcd", "training", "training-drift", "localapi", "scale", "footprint", "frames"):
+    for name in ("etcd", "training", "training-drift", "localapi", "scale", "footprint", "frames",
+                 "rollout"):  # fmt: skip
         assert f"<!-- bench:{name} -->" in doc and f"<!-- /bench:{name} -->" in doc, name
     for script in (
         "bench_etcd",
@@ -124,5 +133,6 @@ def test_benchmarks_md_has_a_marker_for_every_fragment_make_bench_writes() -> No
         "bench_scale",
         "bench_footprint",
         "bench_frames",
+        "bench_rollout",
     ):
         assert f"benchmarks/{script}.py" in makefile, script
