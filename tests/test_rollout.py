@@ -127,7 +127,7 @@ def test_a_failed_upgrade_stops_the_rollout_and_a_second_run_finishes_it(
     done = notes(cluster, 2)[-1]
     assert done["before"] == OLD and done["after"] == NEW and "at" in done
     assert done["epochs"] == {"a": {"restore_point": 2, "knowledge": "published"}}
-    assert done["memberships"] == {"a": 0}
+    assert done["memberships"] == {"a": 0} and done["generations"] == {"a": []}
 
     # Run again without --retry-failed: it stops at once, touching nothing.
     rc, report, _ = rollout(plan)

@@ -16,8 +16,9 @@ For each node, in order:
    published at least as new as its newest epoch (or the checkpoint asked for the
    drain), and every member of each of its jobs accepts the version and has
    acknowledged that. Closed within ``gate_timeout_s``: the node fails;
-2. note ``drained``: the epoch of each stream, its membership and the
-   acknowledgement's time;
+2. note ``drained``: the restore point of each stream every member acknowledged, the
+   stream's membership (the recovery generation its member map applies from) and its
+   open recovery generations, and the acknowledgement's time;
 3. **upgrade**: the plan's hook, with ``CONVERGENCED_NODE``, ``CONVERGENCED_COMPONENT``
    and ``CONVERGENCED_VERSION`` in its environment. It may reboot the node; a non-zero
    exit or ``upgrade_timeout_s`` fails the node;
@@ -284,9 +285,11 @@ class Rollout:
             raise NodeFailed(f"{node}: drain gate closed: {_reasons(answer) if answer else err}")
         epochs = {s: {"restore_point": v["restore_point"], "knowledge": v["knowledge"]}
                   for s, v in answer["streams"].items()}  # fmt: skip
-        memberships = {s: self.ask(node, "state", s).get("membership") for s in epochs}
+        states = {s: self.ask(node, "state", s) for s in epochs}
+        memberships = {s: st.get("membership") for s, st in states.items()}
+        generations = {s: st.get("generations", []) for s, st in states.items()}
         self.note(node, "drained", before=before, target=p.version, epochs=epochs,
-                  memberships=memberships)  # fmt: skip
+                  memberships=memberships, generations=generations)  # fmt: skip
         env = {"CONVERGENCED_NODE": node, "CONVERGENCED_COMPONENT": p.component,
                "CONVERGENCED_VERSION": p.version}  # fmt: skip
         rc, _, err = self.runner(p.argv(p.upgrade, node), p.upgrade_timeout_s, env)
@@ -313,7 +316,7 @@ class Rollout:
 
         self.wait_for(f"{node}: acknowledged", p.back_timeout_s, acknowledged)
         self.note(node, "done", before=before, after=p.version, epochs=epochs,
-                  memberships=memberships)  # fmt: skip
+                  memberships=memberships, generations=generations)  # fmt: skip
 
 
 def _reasons(answer: dict[str, Any]) -> str:
