@@ -201,3 +201,48 @@ def test_the_command_exits_2_on_a_bad_plan(tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "convergenced.cli", "rollout", str(tmp_path / "p.toml")]
     p = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
     assert p.returncode == 2 and "version" in p.stderr
+
+
+class _FakeNodes:
+    """A `Runner` standing in for convergencectl on each node (no daemons)."""
+
+    def __init__(self, versions: dict[str, object] | None = None) -> None:
+        self.calls: list[list[str]] = []
+        self.versions = versions
+
+    def __call__(self, argv: list[str], timeout: float, env: dict[str, str] | None):  # type: ignore[no-untyped-def]
+        self.calls.append(argv)
+        if self.versions is None:
+            return 3, "", "cannot reach the daemon"
+        return 0, json.dumps(self.versions) + "\n", ""
+
+
+def _plan(**kw: object) -> object:
+    return parse({"component": "driver", "version": NEW, "accepts": [OLD, NEW],
+                  "nodes": ["node-1"], "upgrade": ["true"], **kw})  # fmt: skip
+
+
+def test_words_added_to_an_ssh_template_are_quoted_for_the_remote_shell() -> None:
+    from convergenced.rollout.driver import Rollout
+
+    fake = _FakeNodes({})
+    note = '{"a": "b c"}'
+    Rollout(_plan(), runner=fake).ctl("node-1", "rollout-note", note)  # type: ignore[arg-type]
+    assert fake.calls[-1] == ["ssh", "node-1", "convergencectl", "--json", "rollout-note",
+                              "'{\"a\": \"b c\"}'"]  # fmt: skip
+    local = Rollout(_plan(ctl=["convergencectl", "--socket", "/run/{node}.sock"]), runner=fake)  # type: ignore[arg-type]
+    local.ctl("node-1", "rollout-note", note)
+    assert fake.calls[-1][-1] == note
+
+
+def test_a_node_out_of_reach_or_a_foreign_note_stops_nothing_with_a_traceback() -> None:
+    from convergenced.rollout.driver import Rollout
+
+    said: list[str] = []
+    report = Rollout(_plan(), runner=_FakeNodes(None), say=said.append).run()  # type: ignore[arg-type]
+    assert not report.ok and report.outcomes == {}
+    assert said[-1].startswith("stopped before any node: node-1: convergencectl versions failed")
+    versions = {"components": {"driver": {"running": NEW}}, "streams": {},
+                "rollout_notes": ["hello", "[1]", '{"plan": "x"}']}  # fmt: skip
+    report = Rollout(_plan(), runner=_FakeNodes(versions), say=said.append).run()  # type: ignore[arg-type]
+    assert report.ok and report.outcomes["node-1"].state == "already"

@@ -113,6 +113,11 @@ def format_status(st: Mapping[str, Any]) -> str:
         [
             ("node", f"{st['node']} (cluster {st['cluster']})"),
             *warnings,
+            *(
+                [("labels", ", ".join(f"{k}={v}" for k, v in sorted(st["labels"].items())))]
+                if st.get("labels")
+                else []
+            ),
             ("version", f"convergenced {st['version']}, incarnation {st['incarnation']}"),
             ("uptime", format_duration(float(st["uptime_s"]))),
             ("socket", str(st.get("socket", ""))),

@@ -385,7 +385,10 @@ class _Validator:
         if not isinstance(value, Mapping) or len(value) > MAX_LABELS:
             raise self.fail("labels", f'expected a table of at most {MAX_LABELS} name = "value"')
         for k, v in value.items():
-            if not NAME_RE.match(k) or not isinstance(v, str) or len(v) > 128:
+            if not NAME_RE.match(k):
+                raise self.fail(f"labels.{k}", "not a label name (letters, digits, '.', '_', "
+                                "'/', '-', not starting with a symbol)")  # fmt: skip
+            if not isinstance(v, str) or len(v) > 128:
                 raise self.fail(f"labels.{k}", f"{v!r}; expected a string of at most 128 chars")
         return tuple(sorted(value.items()))
 

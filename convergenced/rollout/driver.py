@@ -39,12 +39,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import subprocess
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from convergenced.rollout.plan import Plan, waves
@@ -65,7 +67,8 @@ class Outcome:
 
     node: str
     state: str
-    """``done``, ``already`` (ran the version before), ``failed``, ``skipped``."""
+    """``done``, ``already`` (ran the version before), ``failed``, ``skipped`` (the
+    rollout stopped first), ``would`` (a dry run)."""
     detail: str = ""
     before: str | None = None
 
@@ -78,16 +81,20 @@ class Report:
     waves: list[list[str]]
     outcomes: dict[str, Outcome] = field(default_factory=dict)
     dry_run: bool = False
+    stopped: str = ""
+    """Why the run stopped before the end ("" when it did not)."""
 
     @property
     def ok(self) -> bool:
-        return all(o.state in ("done", "already", "would") for o in self.outcomes.values())
+        ended = all(o.state in ("done", "already", "would") for o in self.outcomes.values())
+        return ended and not self.stopped
 
     def to_json(self) -> dict[str, Any]:
         return {
             "plan": self.plan,
             "dry_run": self.dry_run,
             "ok": self.ok,
+            "stopped": self.stopped,
             "waves": self.waves,
             "nodes": {
                 n: {"state": o.state, "detail": o.detail, "before": o.before}
@@ -142,8 +149,16 @@ class Rollout:
     # -- talking to a node's daemon -------------------------------------------------
 
     def ctl(self, node: str, *args: str, timeout: float = CTL_TIMEOUT_S) -> tuple[int, Any, str]:
-        """Run convergencectl on ``node`` with ``--json``: (exit code, result, stderr)."""
-        argv = [*self.plan.argv(self.plan.ctl, node), "--json", *args]
+        """Run convergencectl on ``node`` with ``--json``: (exit code, result, stderr).
+
+        ssh hands the remote shell one line, which would split the words the rollout
+        adds (a note is JSON, with blanks and quotes): when the template runs ssh,
+        those words are quoted for the remote shell."""
+        template = self.plan.argv(self.plan.ctl, node)
+        words = ["--json", *args]
+        if Path(template[0]).name == "ssh":
+            words = [shlex.quote(w) for w in words]
+        argv = [*template, *words]
         rc, out, err = self.runner(argv, timeout + 10, None)
         try:
             result = json.loads(out.strip().splitlines()[-1]) if out.strip() else None
@@ -207,14 +222,14 @@ class Rollout:
             v = self.ask(node, "versions")
             mine = v["components"].get(p.component)
             if mine is None:
-                settled[node] = Outcome(node, "failed", f"{node}: no catalogue of {p.component}")
+                settled[node] = Outcome(node, "failed", f"no catalogue of {p.component} in "
+                                        "its configuration ([components.NAME])")  # fmt: skip
                 continue
             jobs_of[node] = sorted(v["streams"])
             running = mine["running"]
-            notes = [json.loads(t) for t in v.get("rollout_notes", [])]
-            last = [n for n in notes if n.get("plan") == p.id]
+            last = [n for n in _notes(v) if n.get("plan") == p.id]
             if running == p.version:
-                settled[node] = Outcome(node, "already", "", running)
+                settled[node] = Outcome(node, "already", "")
             elif last and last[-1].get("step") == "failed" and not self.retry_failed:
                 why = last[-1].get("reason", "")
                 settled[node] = Outcome(node, "failed", f"failed before: {why}", running)
@@ -223,7 +238,11 @@ class Rollout:
     def run(self, *, dry_run: bool = False) -> Report:
         """Walk the plan (or, with ``dry_run``, say what would happen, changing nothing)."""
         p = self.plan
-        chosen, jobs_of, settled = self.survey()
+        try:
+            chosen, jobs_of, settled = self.survey()
+        except NodeFailed as exc:
+            self.say(f"stopped before any node: {exc}")
+            return Report(p.id, [], {}, dry_run, stopped=str(exc))
         todo = [n for n in chosen if n not in settled]
         plan_waves = waves(todo, jobs_of, canary=p.canary, wave_size=p.wave_size,
                            max_down_per_job=p.max_down_per_job)  # fmt: skip
@@ -231,14 +250,17 @@ class Rollout:
         for node, o in settled.items():
             self.say(f"{node}: {o.state}{': ' + o.detail if o.detail else ''}")
         if any(o.state == "failed" for o in settled.values()):
-            self.say("stopped: a node failed in an earlier run (--retry-failed to go on)")
+            report.stopped = ("fix the nodes above first (a node that failed in an earlier "
+                              "run of this plan is taken again with --retry-failed)")  # fmt: skip
+            self.say(f"stopped: {report.stopped}")
             return report
         for i, wave in enumerate(plan_waves, 1):
             kind = "canary" if i == 1 else f"wave {i}"
             self.say(f"{kind}: {', '.join(wave)}")
             if dry_run:
                 for node in wave:
-                    report.outcomes[node] = self._dry(node)
+                    o = report.outcomes[node] = self._dry(node)
+                    self.say(f"{node}: {o.detail}")
                 continue
             with ThreadPoolExecutor(max_workers=len(wave)) as pool:
                 for o in pool.map(self._node, wave):
@@ -248,6 +270,7 @@ class Rollout:
                 rest = [n for w in plan_waves[i:] for n in w]
                 for node in rest:
                     report.outcomes[node] = Outcome(node, "skipped", "the rollout stopped")
+                report.stopped = f"a node failed in {kind}: {len(rest)} nodes not started"
                 self.say(f"stopped after {kind}: {len(rest)} nodes not started")
                 break
         return report
@@ -317,6 +340,20 @@ class Rollout:
         self.wait_for(f"{node}: acknowledged", p.back_timeout_s, acknowledged)
         self.note(node, "done", before=before, after=p.version, epochs=epochs,
                   memberships=memberships, generations=generations)  # fmt: skip
+
+
+def _notes(versions: dict[str, Any]) -> list[dict[str, Any]]:
+    """The audit notes of a ``versions`` result that are JSON objects (anyone allowed
+    on the socket may add a note; the others are no rollout's)."""
+    out = []
+    for text in versions.get("rollout_notes", []):
+        try:
+            note = json.loads(text)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(note, dict):
+            out.append(note)
+    return out
 
 
 def _reasons(answer: dict[str, Any]) -> str:
