@@ -649,6 +649,7 @@ def test_alert_rules_are_complete() -> None:
         "ConvergencedRestorePointOld",
         "ConvergencedWalFsyncSlow",
         "ConvergencedDrainUnsafe",
+        "ConvergencedVersionsIncompatible",
     } <= set(names)
     for r in rules:
         assert r["labels"]["severity"] in {"critical", "warning"}, r["alert"]
@@ -703,6 +704,22 @@ def test_alerts_fire_when_they_should(tmp_path: Path) -> None:
                 series("convergenced_drain_safe", "0x20", stream="a", **n1),
                 series("convergenced_drain_safe", "1x20", stream="b", **n1),
                 series("convergenced_drain_safe", "1 0 0 0 1x16", stream="a", instance="n2"),
+                # job "a" on n1 has a member on a driver another does not accept from
+                # minute 1; n2 sees it for one minute only.
+                series(
+                    "convergenced_versions_compatible",
+                    "1 0x19",
+                    stream="a",
+                    component="driver",
+                    **n1,
+                ),
+                series(
+                    "convergenced_versions_compatible",
+                    "1 0 1x18",
+                    stream="b",
+                    component="driver",
+                    instance="n2",
+                ),
             ],
             "alert_rule_test": [
                 {
@@ -736,6 +753,20 @@ def test_alerts_fire_when_they_should(tmp_path: Path) -> None:
                     "eval_time": "3m",
                     "alertname": "ConvergencedRecordsRejected",
                     "exp_alerts": [{"exp_labels": warning | n1 | {"reason": "unsigned"}}],
+                },
+                {
+                    "eval_time": "4m",
+                    "alertname": "ConvergencedVersionsIncompatible",
+                    "exp_alerts": [
+                        {
+                            "exp_labels": {
+                                "severity": "critical",
+                                "stream": "a",
+                                "component": "driver",
+                                "job": "convergenced",
+                            }
+                        }
+                    ],
                 },
                 {
                     "eval_time": "16m",
