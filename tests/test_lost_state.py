@@ -17,6 +17,7 @@ from convergenced.core.facts import (
     HighWater,
     Incarnation,
     Settled,
+    Undeclare,
 )
 from convergenced.core.interval_set import IntervalSet
 from convergenced.core.link import Link, LinkConfig, Role
@@ -289,3 +290,18 @@ def test_a_node_never_sends_a_record_of_its_own_from_a_life_it_lost() -> None:
     assert a.incarnation == 4 and a.waiting_to_freeze("wide") == ("b", "c")
     assert a.view.get(("wide", "a")) == last
     assert all(r.origin != "a" for r in link._deltas())
+
+
+def test_a_log_of_an_unsure_life_then_a_sure_one_that_undeclared_replays() -> None:
+    """Life 1 started without its log and settled ``job``; life 2 (sure of its past)
+    declared ``other`` and undeclared it. A replay is unsure from life 1's
+    Incarnation while it reads life 2's facts, so ``other`` is not settled again when
+    its undeclaration comes: the undeclaration, accepted when it was logged, must
+    replay all the same (it raised unsure_of_past and stopped the daemon's start)."""
+    spec = StreamSpec.create("job", {"a": [0]}, Policy.all_of("nvme"))
+    other = StreamSpec.create("other", {"a": [0], "b": [1]}, Policy.all_of("nvme"))
+    log = [Incarnation(1, unsure=True), Declare(spec), Settled("job"),
+           Incarnation(2), Declare(other), Undeclare("other")]  # fmt: skip
+    node = NodeCore("a", 3)
+    node.replay(log)
+    assert node.streams() == ["job"]

@@ -307,8 +307,13 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests, NodeVersions, Com
                 if fact.stream in self._streams:
                     self._streams[fact.stream].settled = True
                 continue
-            if isinstance(fact, Undeclare) and fact.stream not in self._streams:
-                continue  # undeclared twice (a client's retry before the restart)
+            if isinstance(fact, Undeclare):
+                if fact.stream not in self._streams:
+                    continue  # undeclared twice (a client's retry before the restart)
+                # The life that logged it knew its past of the stream (the core refuses
+                # an undeclaration before that), even where this replay, still unsure
+                # from an older life's Incarnation, has not settled the stream again.
+                self._streams[fact.stream].settled = True
             touched.add(self._apply(fact))
         if inherited and all(st.settled for st in self._streams.values()):
             self._lives.unsure = False  # that life learned its past of every stream

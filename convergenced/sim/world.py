@@ -194,6 +194,8 @@ class Simulation(DaemonLives):
                 raise self.liveness.failure()
         except InvariantViolation as v:
             r.violation = v
+        except Exception as exc:  # a bug the run hit: its seed is a failure to replay
+            r.violation = InvariantViolation("error", f"{type(exc).__name__}: {exc}")
         finally:
             gc.set_threshold(*thresholds)
         r.messages, r.bytes = self.net.messages, self.net.bytes
