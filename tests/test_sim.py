@@ -302,3 +302,48 @@ def test_the_rollout_comparison_prints_one_row_per_strategy() -> None:
     assert rows[1].split()[:2] == ["strategy", "runs"]
     assert [r.split()[0] for r in rows[2:5]] == ["naive", "flip", "gated"]
     assert "--rollout gated" in replay_command(SimConfig(seed=3, rollout="gated"))
+
+
+# -- regressions --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dies_first", [True, False], ids=["dies-first", "restarts-first"])
+def test_a_host_dead_for_good_keeps_no_node_that_lost_its_state_waiting(
+    dies_first: bool,
+) -> None:
+    """A node that lost its state waits to hear from every peer it is configured to
+    link to (PROTOCOL.md 13.9, rule 2). A member whose host then dies for good never
+    speaks again: the operator takes it out of the others' configuration and reloads
+    them (docs/operations.md), and the simulator must do so too, or the node never
+    answers `next_generation` and no relaunch can move the job off the dead host
+    (seed 1572 with upgrade: S5, both hosts left to the job waiting for a third)."""
+    from convergenced.sim.network import STREAM
+
+    sim = Simulation(SimConfig(nodes=4, seed=0, faults=frozenset(), workload=False))
+    sim._start()
+    loop = sim.loop
+    loop.run_until(60_000)
+    assert all(STREAM in n.core.streams() for n in sim.nodes.values() if n.core)
+    sim.lose_state("n01")
+    if dies_first:
+        sim.gone_for_good("n03")
+        sim.restart("n01")
+    else:  # n03 is down when n01 comes back, and dies while n01 waits for it
+        sim.crash("n03")
+        sim.restart("n01")
+        loop.run_until(loop.now + 60_000)
+        core = sim.nodes["n01"].core
+        assert core is not None and core.waiting_to_freeze(STREAM) == ("n03",)
+        sim.gone_for_good("n03")
+    loop.run_until(loop.now + 60_000)
+    core = sim.nodes["n01"].core
+    assert core is not None
+    assert core.waiting_to_freeze(STREAM) == ()
+    assert core.next_generation(STREAM) is not None
+
+
+def test_seed_1572_with_upgrades_relaunches_off_a_dead_host_and_converges() -> None:
+    faults = frozenset(FAULTS) - {"delay", "clog", "pause", "skew", "replay"}
+    r = Simulation(SimConfig(nodes=4, seed=1572, faults=faults)).run()
+    assert r.violation is None
+    assert r.converged

@@ -209,6 +209,13 @@ class Liveness:
             for nid, n in w.nodes.items()
             if nid in w.spec.member_ids
         }
+        if self.final_epoch is None:  # the target was never fixed: say why, not None
+            return InvariantViolation(
+                "S5",
+                f"the healed cluster never got quiet for the final commit (the job runs on "
+                f"{w.placement.node_ids()}, its last declared map names {list(w.spec.member_ids)}"
+                f"): {got}",
+            )
         if all(point == want for point in got.values()):
             return w.versions.failure()  # the job agreed; its version handshake did not
         return InvariantViolation("S5", f"no convergence on {want} after healing: {got}")

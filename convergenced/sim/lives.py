@@ -162,7 +162,7 @@ class DaemonLives:
         node = self.nodes[nid]
         if node.up or nid in self.gone:
             return
-        node.boot(self.peers[nid], self.ids)
+        node.boot(self.configured_peers(nid), self.ids)
         node.paused_until = 0
         loop = self.loop
         core = node.core
@@ -208,6 +208,21 @@ class DaemonLives:
         self._lose_disk(nid)
         self.truth.retractions += 1  # a loss: the restore point may move back (S3)
         self.loop.trace(f"fault gone {nid}")
+        # The operator takes the dead host out of the others' configuration and
+        # reloads them (docs/operations.md): a node that lost its state, or a spare,
+        # waits to hear from every peer it is configured to link to, so one that never
+        # heard from the dead host would wait for it forever (13.9, rule 2).
+        for other in self.ids:
+            core = self.nodes[other].core
+            if core is not None:
+                core.plan_links(self.configured_peers(other))
+                self.after_change(other)
+
+    def configured_peers(self, nid: str) -> list[str]:
+        """The peers in ``nid``'s configuration: every peer it links to but the hosts
+        gone for good. (Its dialers keep trying those, in vain, as a link to a dead
+        host does; only what the core waits for changes.)"""
+        return [p for p in self.peers[nid] if p not in self.gone]
 
     def move_ranks(self, placement: Placement, why: str) -> int:
         """The job relaunches with its ranks on ``placement`` (`launches`); returns
