@@ -37,7 +37,8 @@ job with a new member map, as `launches` describes (one rank asks
 ``next_generation``, every rank declares the new map with ``membership`` = that
 generation, the ranks that moved adopt the copies they find, every rank asks for the
 generation). The cluster then has `world.SPARES` pre-provisioned spare nodes from the
-start (peers and trust are static), which hold no stream until the job moves ranks to
+start (peers and trust set from the start; a host gone for good is taken out of the
+others' configuration), which hold no stream until the job moves ranks to
 them; a run never has more nodes than that. With every fault enabled, a seed turns
 these four on with the chance `world.MEMBERSHIP_SHARE`; a list naming them turns them
 on in every seed.
