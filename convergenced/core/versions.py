@@ -341,10 +341,9 @@ def judge_move(view: ComponentView, version: str) -> str:
         return f"{j}: waits to hear the {c} versions of {waits}"
     if version not in view.accepted_by_all:
         return f"{j}: not every member accepts {c} {version}"
-    if view.acknowledged is None or view.accepted_by_all.index(version) > (
-        view.accepted_by_all.index(view.acknowledged)
-        if view.acknowledged in view.accepted_by_all else -1
-    ):  # fmt: skip
+    # Both lists are in catalogue order: a version at or below the acknowledged one.
+    accepted, acked = view.accepted_by_all, view.acknowledged
+    if acked not in accepted or accepted.index(version) > accepted.index(acked):
         return f"{j}: {c} {version} is not yet acknowledged by every member"
     if view.knowledge < Knowledge.PUBLISHED:
         return (f"{j}: {c} {view.acknowledged} is acknowledged but not yet published "

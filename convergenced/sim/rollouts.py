@@ -180,12 +180,12 @@ class Rollout:
         """Whether every node that moved is seen on the new version by the job, with
         every member's acknowledgement (the rollout driver's last step)."""
         w = self.world
+        moved = {m for m in self.order if w.versions.reports[m].running == NEW}
         for nid in w.spec.member_ids:
             core = w.nodes[nid].core
             if core is None or STREAM not in core.streams():
                 return False
             (view,) = core.versions(STREAM)
-            moved = {m for m in self.order if w.versions.reports[m].running == NEW}
             if any(view.running.get(m) != NEW for m in moved) or not view.compatible:
                 return False
         return True

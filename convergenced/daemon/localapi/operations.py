@@ -324,8 +324,10 @@ class LocalOperations:
 
             def judged() -> Any:  # streams undeclared meanwhile drop out
                 now = [s for s in statuses() if s.stream in targets]
+                if not versions:  # a plain drain: no version handshake to read
+                    return judge(me, now, targets)
                 views = {s.stream: self.node.versions(s.stream) for s in now}
-                return judge(me, now, targets, judge_moves(views, versions or {}))
+                return judge(me, now, targets, judge_moves(views, versions))
 
             with trio.move_on_after(math.inf if timeout is None else timeout):
                 while not judged().safe:
