@@ -109,12 +109,21 @@ def record_to_json(r: Record) -> dict[str, Any]:
 def from_json(kind: str, d: dict[str, Any]) -> Message:
     if kind == "HELLO":
         summary = tuple((s, o, i, v) for s, o, i, v in d["summary"])
-        return Hello(d["cluster"], d["node"], d["incarnation"], bytes.fromhex(d["digest"]), summary)
+        return Hello(
+            d["cluster"],
+            d["node"],
+            d["incarnation"],
+            bytes.fromhex(d["digest"]),
+            summary,
+            creds_from_json(d),
+        )
     if kind in ("TICK", "TOCK"):
         cls = Tick if kind == "TICK" else Tock
         records = tuple(record_from_json(r) for r in d["records"])
         links = tuple(d["links"])
-        return cls(d["seq"], bytes.fromhex(d["digest"]), d["match"], records, links)
+        return cls(
+            d["seq"], bytes.fromhex(d["digest"]), d["match"], records, links, creds_from_json(d)
+        )
     if kind == "NUDGE":
         assert d == {}
         return Nudge()
@@ -122,7 +131,15 @@ def from_json(kind: str, d: dict[str, Any]) -> Message:
     return Bye(d["reason"])
 
 
-def to_json(msg: Message) -> dict[str, Any]:
+def creds_from_json(d: dict[str, Any]) -> tuple[bytes, ...]:
+    return tuple(bytes.fromhex(c) for c in d.get("credentials", ()))
+
+
+def creds_to_json(msg: Hello | Tick | Tock, version: int) -> dict[str, Any]:
+    return {"credentials": [c.hex() for c in msg.credentials]} if version >= 3 else {}
+
+
+def to_json(msg: Message, version: int = 2) -> dict[str, Any]:
     if isinstance(msg, Hello):
         return {
             "cluster": msg.cluster,
@@ -130,6 +147,7 @@ def to_json(msg: Message) -> dict[str, Any]:
             "incarnation": msg.incarnation,
             "digest": msg.digest.hex(),
             "summary": [list(e) for e in msg.summary],
+            **creds_to_json(msg, version),
         }
     if isinstance(msg, Tick | Tock):
         return {
@@ -138,6 +156,7 @@ def to_json(msg: Message) -> dict[str, Any]:
             "match": msg.match,
             "records": [record_to_json(r) for r in msg.records],
             "links": list(msg.links),
+            **creds_to_json(msg, version),
         }
     if isinstance(msg, Nudge):
         return {}
@@ -150,7 +169,7 @@ def decode_frames(data: bytes, limits: WireLimits | None = None) -> list[Message
     dec.feed(data)
     out: list[Message] = []
     while (frame := dec.next_frame()) is not None:
-        out.append(decode_message(frame[0], frame[1], limits))
+        out.append(decode_message(frame[0], frame[1], limits, dec.last_version))
     return out
 
 
@@ -248,13 +267,15 @@ def test_decoding_a_vector_gives_its_decoded_form(vector: dict[str, Any]) -> Non
     kind, body = frame
     assert kind.name == vector["type"]
     assert len(body) == len(vector["hex"]) // 2 - HEADER_SIZE
-    assert to_json(decode_message(kind, body)) == vector["decoded"]
+    version = vector.get("version", 2)
+    assert dec.last_version == version
+    assert to_json(decode_message(kind, body, None, version), version) == vector["decoded"]
 
 
 @pytest.mark.parametrize("vector", by_name(MESSAGES["vectors"]))
 def test_encoding_a_decoded_form_gives_the_exact_frame(vector: dict[str, Any]) -> None:
     msg = from_json(vector["type"], vector["decoded"])
-    assert encode_message(msg).hex() == vector["hex"]
+    assert encode_message(msg, vector.get("version", 2)).hex() == vector["hex"]
 
 
 @pytest.mark.parametrize("vector", by_name(MESSAGES["vectors"]))
@@ -267,7 +288,8 @@ def test_vector_fed_one_byte_at_a_time(vector: dict[str, Any]) -> None:
         dec.feed(bytes([byte]))
     frame = dec.next_frame()
     assert frame is not None
-    assert to_json(decode_message(*frame)) == vector["decoded"]
+    version = vector.get("version", 2)
+    assert to_json(decode_message(*frame, None, version), version) == vector["decoded"]
     assert dec.next_frame() is None
     assert dec.buffered == 0
 
@@ -279,7 +301,8 @@ def test_stream_of_all_vectors_byte_by_byte() -> None:
     for i in range(len(data)):
         dec.feed(data[i : i + 1])
         while (frame := dec.next_frame()) is not None:
-            got.append(to_json(decode_message(*frame)))
+            version = dec.last_version
+            got.append(to_json(decode_message(*frame, None, version), version))
     assert got == [v["decoded"] for v in MESSAGES["vectors"]]
     assert dec.buffered == 0
 
@@ -320,7 +343,7 @@ def test_malformed_vector_fed_one_byte_at_a_time(vector: dict[str, Any]) -> None
             dec.feed(data[i : i + 1])
             frame = dec.next_frame()
             if frame is not None:
-                decode_message(*frame)
+                decode_message(*frame, None, dec.last_version)
         pytest.fail("never refused")
     assert info.value.reason == vector["error_reason"]
 

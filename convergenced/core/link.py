@@ -38,12 +38,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
+from convergenced.core.credentials import CredentialBook, CredentialExchange
 from convergenced.core.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from convergenced.core.messages import Bye, Hello, Message, Nudge, Tick, Tock
 from convergenced.core.node import NodeCore
 from convergenced.core.packing import pack
 from convergenced.core.records import Record, RecordKey
 from convergenced.core.wire import (
+    CREDENTIALS_VERSION,
+    PROTOCOL_VERSION,
     FrameDecoder,
     WireLimits,
     decode_message,
@@ -139,6 +142,10 @@ class LinkConfig:
     allowed_peers: frozenset[str] | None = None
     """The cluster's node ids (None: any name is admitted)."""
     limits: WireLimits = field(default_factory=WireLimits)
+    wire_version: int = PROTOCOL_VERSION
+    """The version this side sends: 2, or 3 with credentials (CA-bound trust)."""
+    credentials: CredentialBook | None = None
+    """The node's credentials, shared by all its links (sent in version 3 only)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,6 +223,9 @@ class Link:
         self._nudge_received = False  # peer nudged us this token period
         self._peer_matched = False  # peer's last message said it matched our digest
         self._told_all = False
+        self._credentials = CredentialExchange(
+            config.credentials, config.wire_version >= CREDENTIALS_VERSION
+        )
         self._peer_links: frozenset[str] = frozenset()
         """Origins whose records we do not send on this link: the nodes the peer last
         said it is linked to (their records are theirs to send) and the peer itself."""
@@ -287,7 +297,8 @@ class Link:
                 frame = self._decoder.next_frame()
                 if frame is None:
                     break
-                msg = decode_message(frame[0], frame[1], self.config.limits)
+                version = self._decoder.last_version
+                msg = decode_message(frame[0], frame[1], self.config.limits, version)
             except RemoteProtocolError as err:
                 self._close_with(err)
                 raise
@@ -315,7 +326,7 @@ class Link:
         if self.state is S.HOLDING:
             deltas = self._deltas()
             idle = self._ticks_since_sent >= self.config.idle_ticks
-            if deltas or self._nudge_received or idle:
+            if deltas or self._nudge_received or idle or self._credentials.pending():
                 self._send_tick(deltas)
         elif self.state is S.WAITING and not self._nudged and self._has_deltas():
             self._fire(Ev.SEND_NUDGE)
@@ -363,11 +374,14 @@ class Link:
             self.seq = msg.seq
             self._nudged = False
             self._note_peer_links(msg.links)
+            self._credentials.take(msg.credentials, self.peer)
             self._take(msg.records, msg.digest, msg.match)
             records = self._deltas()
             self._fire(Ev.SEND_TOCK)
             view = self.node.view
-            self._emit(Tock(self.seq, view.digest, self.in_sync, tuple(records), self._links()))
+            creds = self._credential_deltas()
+            self._emit(Tock(self.seq, view.digest, self.in_sync, tuple(records), self._links(),
+                            creds))  # fmt: skip
             self._mark_sent(records)
             self._nudge_received = False
             self._events.append(ExchangeDone(self.seq, self.in_sync))
@@ -376,6 +390,7 @@ class Link:
             if msg.seq != self.seq:
                 self._protocol_violation(f"TOCK.seq: {msg.seq}, expected {self.seq}")
             self._note_peer_links(msg.links)
+            self._credentials.take(msg.credentials, self.peer)
             self._take(msg.records, msg.digest, msg.match)
             self._nudge_received = False
             self._events.append(ExchangeDone(self.seq, self.in_sync))
@@ -413,6 +428,7 @@ class Link:
                                      "unknown_node")  # fmt: skip
         self.peer = hello.node
         self.peer_incarnation = hello.incarnation
+        self._credentials.take(hello.credentials, hello.node)
         for stream, origin, inc, ver in hello.summary:
             self._note_known((stream, origin), (inc, ver))
         # Deltas start from the whole view, filtered by what the summary says.
@@ -473,7 +489,8 @@ class Link:
         self._fire(Ev.SEND_TICK)
         self.seq += 1
         view = self.node.view
-        self._emit(Tick(self.seq, view.digest, self.in_sync, tuple(records), self._links()))
+        creds = self._credential_deltas()
+        self._emit(Tick(self.seq, view.digest, self.in_sync, tuple(records), self._links(), creds))
         self._mark_sent(records)
 
     # -- deltas -------------------------------------------------------------------
@@ -483,8 +500,11 @@ class Link:
         if old is None or stamp > old:
             self._peer_known[key] = stamp
 
+    def _credential_deltas(self) -> tuple[bytes, ...]:
+        return self._credentials.deltas(self.config.limits.max_frame_bytes // 4)
+
     def _has_deltas(self) -> bool:
-        if self._backlog:
+        if self._backlog or self._credentials.pending():
             return True
         return self.node.view.any_changed_since(self._sent_seq, self._peer_known, self._peer_links)
 
@@ -552,10 +572,11 @@ class Link:
             self.node.incarnation,
             view.digest,
             tuple(summary),
+            self._credentials.own(self.node.node_id),
         )
 
     def _emit(self, msg: Message) -> None:
-        frame = encode_message(msg)
+        frame = encode_message(msg, self.config.wire_version)
         self._out += frame
         self.frames_sent += 1
         self.bytes_sent += len(frame)

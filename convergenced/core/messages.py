@@ -36,6 +36,8 @@ class Hello:
     digest: bytes
     summary: tuple[SummaryEntry, ...]
     """Stamps of the records the sender holds (possibly truncated to fit a frame)."""
+    credentials: tuple[bytes, ...] = ()
+    """Version 3: the sender's own credential (`credentials`); empty in version 2."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +52,8 @@ class Tick:
     links: tuple[str, ...] = ()
     """The nodes the sender has an established link with (sorted). The peer does not
     relay to us records whose origin is one of them: that origin sends them itself."""
+    credentials: tuple[bytes, ...] = ()
+    """Version 3: credentials the peer lacks, to be admitted before the records."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +65,8 @@ class Tock:
     match: bool
     records: tuple[Record, ...]
     links: tuple[str, ...] = ()
+    """As in `Tick`."""
+    credentials: tuple[bytes, ...] = ()
     """As in `Tick`."""
 
 

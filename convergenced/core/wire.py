@@ -4,15 +4,18 @@ A frame is a 12-byte header followed by a msgpack body::
 
     offset size field
     0      4    magic    b"CVGD"
-    4      1    version  protocol version, 1
+    4      1    version  protocol version, 2 or 3
     5      1    type     MessageType (1 HELLO .. 5 BYE)
-    6      2    flags    must be 0 in version 1
+    6      2    flags    must be 0
     8      4    length   body length in bytes, big-endian, <= max_frame_bytes
 
 Bodies are msgpack maps with string keys (records are arrays, see `records`).
 Decoding is strict: every limit of the msgpack unpacker is set explicitly, ext
 types and duplicate map keys are refused, every field is type- and range-checked,
-unknown and missing fields are errors, and trailing bytes are errors. Each failure
+unknown and missing fields are errors, and trailing bytes are errors. Version 3 is
+version 2 plus the ``credentials`` of CA-bound trust (`credentials`): a node reads
+frames of either version and sends version 3 only when it uses CA-bound trust, so a
+fleet on trust lists keeps talking to nodes that speak only version 2. Each failure
 raises `RemoteProtocolError` whose ``reason`` is a short metric label and whose
 message names the message and the field path.
 """
@@ -21,11 +24,16 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import msgpack
 
-from convergenced.core.errors import RemoteProtocolError
+from convergenced.core.credentials import MAX_CREDENTIAL_BYTES, MAX_CREDENTIALS_PER_MESSAGE
+from convergenced.core.decoded_cache import (
+    DECODED,
+    Interned,
+)
+from convergenced.core.errors import LocalProtocolError, RemoteProtocolError
 from convergenced.core.messages import (
     MESSAGE_TYPES,
     Bye,
@@ -59,6 +67,11 @@ from convergenced.core.validate import (
 
 MAGIC = b"CVGD"
 PROTOCOL_VERSION = 2
+"""The version sent unless CA-bound trust asks for `CREDENTIALS_VERSION`."""
+CREDENTIALS_VERSION = 3
+"""Version 2 plus credentials in HELLO, TICK and TOCK."""
+VERSIONS = (PROTOCOL_VERSION, CREDENTIALS_VERSION)
+"""Versions read."""
 HEADER = struct.Struct(">4sBBHI")
 HEADER_SIZE = HEADER.size
 DEFAULT_MAX_FRAME = 1 << 20
@@ -74,7 +87,8 @@ class WireLimits:
     max_summary: int = 65536
     """Entries in one HELLO summary."""
     max_str: int = 1024
-    max_bin: int = 1024
+    max_bin: int = MAX_CREDENTIAL_BYTES
+    """The largest bin object: a credential (digests and signatures have exact sizes)."""
     max_array: int = 65536
     max_map: int = 64
 
@@ -102,9 +116,9 @@ def unpack_body(body: bytes, limits: WireLimits, what: str) -> Any:
 # -- frames -------------------------------------------------------------------
 
 
-def encode_frame(mtype: MessageType, body: bytes) -> bytes:
+def encode_frame(mtype: MessageType, body: bytes, version: int = PROTOCOL_VERSION) -> bytes:
     """Header plus body."""
-    return HEADER.pack(MAGIC, PROTOCOL_VERSION, int(mtype), 0, len(body)) + body
+    return HEADER.pack(MAGIC, version, int(mtype), 0, len(body)) + body
 
 
 class FrameDecoder:
@@ -122,6 +136,8 @@ class FrameDecoder:
         # start of a frame) moves to the buffer when more bytes are needed.
         self._data = b""
         self._pos = 0
+        self.last_version = PROTOCOL_VERSION
+        """The version byte of the frame `next_frame` returned last."""
 
     @property
     def buffered(self) -> int:
@@ -171,9 +187,10 @@ class FrameDecoder:
         magic, version, mtype, flags, length = HEADER.unpack_from(buf, pos)
         if magic != MAGIC:
             raise RemoteProtocolError("frame: bad magic", reason="bad_magic")
-        if version != PROTOCOL_VERSION:
+        if version not in VERSIONS:
             raise RemoteProtocolError(
-                f"frame: protocol version {version} not supported (we speak {PROTOCOL_VERSION})",
+                f"frame: protocol version {version} not supported (we speak "
+                f"{' and '.join(map(str, VERSIONS))})",
                 reason="unsupported_version",
             )
         try:
@@ -192,6 +209,7 @@ class FrameDecoder:
         if have < HEADER_SIZE + length:
             return None
         start = pos + HEADER_SIZE
+        self.last_version = version
         return kind, bytes(buf[start : start + length])
 
 
@@ -201,36 +219,47 @@ _TYPES = {int(t): t for t in MessageType}
 # -- messages -----------------------------------------------------------------
 
 
-def message_to_obj(msg: Message) -> Any:
-    """The msgpack-ready body of ``msg``."""
+def message_to_obj(msg: Message, version: int = PROTOCOL_VERSION) -> Any:
+    """The msgpack-ready body of ``msg`` in ``version``.
+
+    Raises:
+        LocalProtocolError: ``msg`` carries credentials and ``version`` has none.
+    """
+    if isinstance(msg, Hello | Tick | Tock) and msg.credentials and version < 3:
+        raise LocalProtocolError(f"version {version} carries no credentials")
+    obj: dict[str, Any]
     if isinstance(msg, Hello):
-        return {
+        obj = {
             "cluster": msg.cluster,
             "node": msg.node,
             "incarnation": msg.incarnation,
             "digest": msg.digest,
             "summary": [list(e) for e in msg.summary],
         }
-    if isinstance(msg, Tick | Tock):
-        return {
+    elif isinstance(msg, Tick | Tock):
+        obj = {
             "seq": msg.seq,
             "digest": msg.digest,
             "match": msg.match,
             "records": [r.to_wire() for r in msg.records],
             "links": list(msg.links),
         }
-    if isinstance(msg, Nudge):
+    elif isinstance(msg, Nudge):
         return {}
-    return {"reason": msg.reason}
+    else:
+        return {"reason": msg.reason}
+    if version >= CREDENTIALS_VERSION:
+        obj["credentials"] = list(msg.credentials)
+    return obj
 
 
-def encode_message(msg: Message) -> bytes:
-    """One complete frame for ``msg``.
+def encode_message(msg: Message, version: int = PROTOCOL_VERSION) -> bytes:
+    """One complete frame for ``msg``, in protocol ``version`` (2, or 3 with credentials).
 
     TICK and TOCK bodies are assembled from each record's cached packed bytes;
     the result is byte-identical to packing `message_to_obj` (the vectors check).
     """
-    if isinstance(msg, Tick | Tock):
+    if isinstance(msg, Tick | Tock) and version == PROTOCOL_VERSION and not msg.credentials:
         records = msg.records
         body = b"".join(
             [
@@ -247,18 +276,40 @@ def encode_message(msg: Message) -> bytes:
         )
         kind = MessageType.TICK if type(msg) is Tick else MessageType.TOCK
         return HEADER.pack(MAGIC, PROTOCOL_VERSION, kind, 0, len(body)) + body
-    return encode_frame(MESSAGE_TYPES[type(msg)], pack(message_to_obj(msg)))
+    if isinstance(msg, Tick | Tock):
+        # Version 3: the same fixed parts, then the credentials as a sixth key.
+        records = msg.records
+        body = b"".join(
+            [
+                _SEQ6,
+                _packb(msg.seq),
+                _DIGEST,
+                _packb(msg.digest, use_bin_type=True),
+                _MATCH_TRUE if msg.match else _MATCH_FALSE,
+                _array_header(len(records)),
+                *[r.packed() for r in records],
+                _LINKS,
+                _packb(list(msg.links), use_bin_type=True),
+                _CREDENTIALS,
+                _packb(list(msg.credentials), use_bin_type=True),
+            ]
+        )
+        kind = MessageType.TICK if type(msg) is Tick else MessageType.TOCK
+        return HEADER.pack(MAGIC, version, kind, 0, len(body)) + body
+    return encode_frame(MESSAGE_TYPES[type(msg)], pack(message_to_obj(msg, version)), version)
 
 
 # The fixed parts of a TICK or TOCK body, in `message_to_obj`'s key order: a map of
 # five entries whose keys are short strings (msgpack's canonical encoding of each).
 _packb = msgpack.packb
 _SEQ: bytes = b"\x85" + _packb("seq")  # the map header (five entries), then "seq"
+_SEQ6: bytes = b"\x86" + _packb("seq")  # version 3: six entries
 _DIGEST: bytes = _packb("digest")
 _MATCH_TRUE: bytes = _packb("match") + _packb(True)
 _MATCH_FALSE: bytes = _packb("match") + _packb(False)
 _RECORDS: bytes = _packb("records")
 _LINKS: bytes = _packb("links")
+_CREDENTIALS: bytes = _packb("credentials")
 
 
 def _array_header(n: int) -> bytes:
@@ -270,20 +321,25 @@ def _array_header(n: int) -> bytes:
     return _RECORDS + b"\xdd" + n.to_bytes(4, "big")
 
 
-def decode_message(kind: MessageType, body: bytes, limits: WireLimits | None = None) -> Message:
-    """Decode and validate one frame body.
+def decode_message(
+    kind: MessageType,
+    body: bytes,
+    limits: WireLimits | None = None,
+    version: int = PROTOCOL_VERSION,
+) -> Message:
+    """Decode and validate one frame body of protocol ``version``.
 
     Raises:
         RemoteProtocolError: naming the message and the field path.
     """
     lim = limits or WireLimits()
     if kind is MessageType.TICK or kind is MessageType.TOCK:
-        msg = _decode_exchange(kind, body, lim)
+        msg = _decode_exchange(kind, body, lim, version)
         if msg is not None:
             return msg
     name = kind.name
     obj = unpack_body(body, lim, name)
-    return message_from_obj(kind, obj, lim)
+    return message_from_obj(kind, obj, lim, version)
 
 
 # -- the fast path of TICK and TOCK ---------------------------------------------------
@@ -300,118 +356,26 @@ def decode_message(kind: MessageType, body: bytes, limits: WireLimits | None = N
 # of place, a bad value, any msgpack error) returns None and the slow path decodes the
 # body again, raising the error that names the field.
 
-T = TypeVar("T")
-
-DECODED_CAPACITY = 4096
-"""Records (and link lists) kept decoded per set of unpacker limits, by default."""
-
-
-class Interned(Generic[T]):
-    """Values decoded from bytes, by those exact bytes; at most ``capacity`` kept.
-
-    Two generations: a lookup tries the young dict, then the old one (and moves a hit
-    there up); when the young one holds half the capacity it becomes the old one and
-    the previous old one is dropped. Entries in use stay, and a flood of one-off
-    values costs at most ``capacity`` entries.
-    """
-
-    __slots__ = ("_half", "_old", "_young")
-
-    def __init__(self, capacity: int = DECODED_CAPACITY) -> None:
-        self._half = max(1, capacity // 2)
-        self._young: dict[bytes, T] = {}
-        self._old: dict[bytes, T] = {}
-
-    def __len__(self) -> int:
-        return len(self._young) + len(self._old)
-
-    def get(self, key: bytes) -> T | None:
-        """The value decoded from ``key``, if kept."""
-        value = self._young.get(key)
-        if value is None:
-            value = self._old.pop(key, None)
-            if value is not None:
-                self.put(key, value)
-        return value
-
-    def put(self, key: bytes, value: T) -> None:
-        """Keep ``value`` as decoded from ``key``."""
-        if len(self._young) >= self._half:
-            self._old = self._young
-            self._young = {}
-        self._young[key] = value
-
-    def resize(self, capacity: int) -> None:
-        """Keep at most ``capacity`` entries from now on (the simulator keeps more)."""
-        self._half = max(1, capacity // 2)
-
-
-class _Decoded:
-    """What one set of unpacker limits has decoded: records, and `links` lists."""
-
-    __slots__ = ("links", "records")
-
-    def __init__(self, capacity: int) -> None:
-        self.records: Interned[Record] = Interned(capacity)
-        self.links: Interned[tuple[str, ...]] = Interned(capacity)
-
-
-class _AllDecoded:
-    """`_Decoded` per set of unpacker limits (a handful: they come from configuration)."""
-
-    def __init__(self) -> None:
-        self.capacity = DECODED_CAPACITY
-        self._by_unpack: dict[UnpackLimits, _Decoded] = {}
-        self._by_wire: dict[WireLimits, tuple[UnpackLimits, _Decoded]] = {}
-
-    def resize(self, capacity: int) -> None:
-        self.capacity = max(1, capacity)
-        for d in self._by_unpack.values():
-            d.records.resize(self.capacity)
-            d.links.resize(self.capacity)
-
-    def get(self, limits: WireLimits) -> tuple[UnpackLimits, _Decoded]:
-        found = self._by_wire.get(limits)
-        if found is None:
-            if len(self._by_wire) >= 16:
-                self._by_wire.clear()
-            ul = limits.unpack
-            d = self._by_unpack.get(ul)
-            if d is None:
-                d = self._by_unpack[ul] = _Decoded(self.capacity)
-            found = self._by_wire[limits] = (ul, d)
-        return found
-
-
-_DECODED = _AllDecoded()
-
-
-def set_decoded_capacity(capacity: int) -> None:
-    """How many records (and link lists) the fast path keeps decoded per set of limits.
-
-    Only memory and speed depend on it, never a decoded value. A daemon keeps the
-    default; the simulator, whose nodes share one process and so one cache, raises it
-    with the cluster size.
-    """
-    _DECODED.resize(capacity)
-
-
 _UNSET: Any = object()
 
 
-def _decode_exchange(kind: MessageType, body: bytes, lim: WireLimits) -> Tick | Tock | None:
+def _decode_exchange(
+    kind: MessageType, body: bytes, lim: WireLimits, version: int
+) -> Tick | Tock | None:
     """A TICK or TOCK body, decoded through the caches above; None: let the strict
     path decode it (it is unusual, or wrong, and that path names the fault)."""
-    ul, cache = _DECODED.get(lim)
+    ul, cache = DECODED.get(lim)
     seq = digest = match = _UNSET
     records: list[Record] | None = None
     links: tuple[str, ...] | None = None
+    credentials: tuple[bytes, ...] | None = None if version >= CREDENTIALS_VERSION else ()
+    keys = 6 if version >= CREDENTIALS_VERSION else 5
     try:
         up = strict_unpacker(ul, len(body))
         up.feed(body)
-        if up.read_map_header() != 5 or lim.max_map < 5:
+        if up.read_map_header() != keys or lim.max_map < keys:
             return None
-        for _ in range(5):
+        for _ in range(keys):
             key = up.unpack()
             if key == "records":
                 count = up.read_array_header()
@@ -446,6 +410,8 @@ def _decode_exchange(kind: MessageType, body: bytes, lim: WireLimits) -> Tick | 
                 digest = up.unpack()
             elif key == "match" and match is _UNSET:
                 match = up.unpack()
+            elif key == "credentials" and credentials is None:
+                credentials = _credentials(up.unpack(), f"{kind.name}.credentials")
             else:
                 return None
         if up.tell() != len(body):
@@ -455,6 +421,7 @@ def _decode_exchange(kind: MessageType, body: bytes, lim: WireLimits) -> Tick | 
     if (
         records is None
         or links is None
+        or credentials is None
         or len(links) > lim.max_summary
         or type(seq) is not int
         or not 1 <= seq <= INT64_MAX
@@ -464,7 +431,25 @@ def _decode_exchange(kind: MessageType, body: bytes, lim: WireLimits) -> Tick | 
     ):
         return None
     cls = Tick if kind is MessageType.TICK else Tock
-    return cls(seq=seq, digest=digest, match=match, records=tuple(records), links=links)
+    return cls(
+        seq=seq,
+        digest=digest,
+        match=match,
+        records=tuple(records),
+        links=links,
+        credentials=credentials,
+    )
+
+
+def _credentials(value: Any, path: str) -> tuple[bytes, ...]:
+    """The ``credentials`` of a version 3 message: at most
+    `MAX_CREDENTIALS_PER_MESSAGE` opaque byte strings of 1 to `MAX_CREDENTIAL_BYTES`
+    each (what they say is for the adapter to judge, `credentials`)."""
+    raw = as_list(value, path, max_len=MAX_CREDENTIALS_PER_MESSAGE)
+    return tuple(
+        as_bytes(c, f"{path}[{i}]", min_len=1, max_len=MAX_CREDENTIAL_BYTES)
+        for i, c in enumerate(raw)
+    )
 
 
 def _decode_record(span: bytes, ul: UnpackLimits, interned: Interned[Record]) -> Record | None:
@@ -495,12 +480,20 @@ def _decode_links(
     return links
 
 
-def message_from_obj(kind: MessageType, obj: Any, limits: WireLimits) -> Message:
-    """Validate a decoded body (shared by the codec and the golden-vector tests)."""
+def message_from_obj(
+    kind: MessageType, obj: Any, limits: WireLimits, version: int = PROTOCOL_VERSION
+) -> Message:
+    """Validate a decoded body of protocol ``version`` (shared by the codec and the
+    golden-vector tests)."""
     name = kind.name
     m = as_map(obj, name, max_len=limits.max_map)
+    extra: tuple[str, ...] = ("credentials",) if version >= CREDENTIALS_VERSION else ()
+
+    def creds() -> tuple[bytes, ...]:  # after `exact_keys`: present exactly in version 3
+        return _credentials(m["credentials"], f"{name}.credentials") if extra else ()
+
     if kind is MessageType.HELLO:
-        exact_keys(m, name, ("cluster", "node", "incarnation", "digest", "summary"))
+        exact_keys(m, name, ("cluster", "node", "incarnation", "digest", "summary", *extra))
         raw = as_list(m["summary"], f"{name}.summary", max_len=limits.max_summary)
         summary: list[SummaryEntry] = []
         for i, e in enumerate(raw):
@@ -520,9 +513,10 @@ def message_from_obj(kind: MessageType, obj: Any, limits: WireLimits) -> Message
             incarnation=as_int(m["incarnation"], f"{name}.incarnation"),
             digest=_digest(m["digest"], f"{name}.digest"),
             summary=tuple(summary),
+            credentials=creds(),
         )
     if kind in (MessageType.TICK, MessageType.TOCK):
-        exact_keys(m, name, ("seq", "digest", "match", "records", "links"))
+        exact_keys(m, name, ("seq", "digest", "match", "records", "links", *extra))
         raw = as_list(m["records"], f"{name}.records", max_len=limits.max_records)
         raw_links = as_list(m["links"], f"{name}.links", max_len=limits.max_summary)
         links = tuple(as_name(n, f"{name}.links[{i}]") for i, n in enumerate(raw_links))
@@ -534,6 +528,7 @@ def message_from_obj(kind: MessageType, obj: Any, limits: WireLimits) -> Message
             match=as_bool(m["match"], f"{name}.match"),
             records=records,
             links=links,
+            credentials=creds(),
         )
     if kind is MessageType.NUDGE:
         exact_keys(m, name, ())

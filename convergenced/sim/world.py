@@ -22,6 +22,7 @@ from __future__ import annotations
 import gc
 from functools import partial
 
+from convergenced.core.decoded_cache import DECODED_CAPACITY, set_decoded_capacity
 from convergenced.core.facts import Commit, Declare, Fact
 from convergenced.core.interval_set import IntervalSet
 from convergenced.core.link import LinkConfig
@@ -31,7 +32,6 @@ from convergenced.core.overlay import links
 from convergenced.core.records import Record
 from convergenced.core.spec import Policy, StreamSpec
 from convergenced.core.versions import is_reserved
-from convergenced.core.wire import DECODED_CAPACITY, set_decoded_capacity
 from convergenced.sim.baselines import Baselines
 from convergenced.sim.config import Result, SimConfig
 from convergenced.sim.faults import FAULT_STEP, FAULTS, MEMBERSHIP_FAULTS, FaultInjector

@@ -97,6 +97,13 @@ LARGE_RECORD = Record(
     membership=INT64_MAX,
 )
 
+CREDENTIAL = bytes(range(256)) * 2
+"""Opaque to the codec (PROTOCOL.md 7.6 says what a daemon puts in it)."""
+
+V3 = frozenset({"v3_hello_with_credential", "v3_hello_without_credential",
+                "v3_tick_with_credentials", "v3_tock_without_credentials"})
+"""The vectors framed in version 3 (every other one is version 2)."""
+
 VALID: list[tuple[str, Message]] = [
     (
         "hello_with_summary",
@@ -129,6 +136,18 @@ VALID: list[tuple[str, Message]] = [
     ("tock_with_record", Tock(seq=7, digest=OTHER_DIGEST, match=False, records=(EMPTY_RECORD,))),
     ("tock_in_sync", Tock(seq=INT64_MAX, digest=VIEW_DIGEST, match=True, records=())),
     ("nudge", Nudge()),
+    (
+        "v3_hello_with_credential",
+        Hello(cluster="c", node="n1", incarnation=2, digest=bytes(16), summary=(),
+              credentials=(CREDENTIAL,)),
+    ),
+    ("v3_hello_without_credential", Hello("c", "n1", 2, bytes(16), ())),
+    (
+        "v3_tick_with_credentials",
+        Tick(seq=3, digest=VIEW_DIGEST, match=False, records=(EMPTY_RECORD,),
+             links=("node-b",), credentials=(CREDENTIAL, b"\x01")),
+    ),
+    ("v3_tock_without_credentials", Tock(seq=3, digest=VIEW_DIGEST, match=True, records=())),
     ("bye", Bye(reason="shutting down")),
     ("bye_unicode_reason", Bye(reason="wrong_cluster: grüße \u2013 \U0001f6d1")),
 ]
@@ -156,7 +175,7 @@ def record_json(rec: Record) -> dict[str, Any]:
     }
 
 
-def message_json(msg: Message) -> dict[str, Any]:
+def message_json(msg: Message, version: int = PROTOCOL_VERSION) -> dict[str, Any]:
     """The `decoded` form of a message (see README.md)."""
     if isinstance(msg, Hello):
         return {
@@ -165,6 +184,7 @@ def message_json(msg: Message) -> dict[str, Any]:
             "incarnation": msg.incarnation,
             "digest": msg.digest.hex(),
             "summary": [list(e) for e in msg.summary],
+            **_credentials_json(msg, version),
         }
     if isinstance(msg, Tick | Tock):
         return {
@@ -173,10 +193,15 @@ def message_json(msg: Message) -> dict[str, Any]:
             "match": msg.match,
             "records": [record_json(r) for r in msg.records],
             "links": list(msg.links),
+            **_credentials_json(msg, version),
         }
     if isinstance(msg, Nudge):
         return {}
     return {"reason": msg.reason}
+
+
+def _credentials_json(msg: Hello | Tick | Tock, version: int) -> dict[str, Any]:
+    return {"credentials": [c.hex() for c in msg.credentials]} if version >= 3 else {}
 
 
 # -- malformed frames ---------------------------------------------------------
@@ -208,9 +233,11 @@ def body_of(msg: Message) -> dict[str, Any]:
     return obj
 
 
-def tick_body(**changes: Any) -> bytes:
+def tick_body(version: int = PROTOCOL_VERSION, **changes: Any) -> bytes:
     """A valid one-record TICK body with fields replaced (a value of `DROP` removes it)."""
-    obj = body_of(Tick(seq=7, digest=VIEW_DIGEST, match=False, records=(EMPTY_RECORD,)))
+    obj = message_to_obj(
+        Tick(seq=7, digest=VIEW_DIGEST, match=False, records=(EMPTY_RECORD,)), version
+    )
     for key, value in changes.items():
         if value is DROP:
             del obj[key]
@@ -256,8 +283,22 @@ MALFORMED: list[tuple[str, Callable[[], bytes], str, str]] = [
     # name, frame builder, reason, message substring
     ("bad_magic", lambda: frame(TICK, tick_body(), magic=b"CVGE"), "bad_magic", "frame: bad magic"),
     ("bad_magic_first_byte", lambda: b"HTTP", "bad_magic", "frame: bad magic"),
-    ("unsupported_version", lambda: frame(TICK, tick_body(), version=3), "unsupported_version",
-     "frame: protocol version 3 not supported"),
+    ("unsupported_version", lambda: frame(TICK, tick_body(), version=4), "unsupported_version",
+     "frame: protocol version 4 not supported"),
+    ("v2_with_credentials", lambda: frame(TICK, tick_body(credentials=[])), "invalid_field",
+     "TICK: unknown field 'credentials'"),
+    ("v3_without_credentials", lambda: frame(TICK, tick_body(), version=3), "invalid_field",
+     "TICK: missing field 'credentials'"),
+    ("v3_hello_without_credentials", lambda: frame(HELLO, hello_body(), version=3),
+     "invalid_field", "HELLO: missing field 'credentials'"),
+    ("v3_credential_not_bytes",
+     lambda: frame(TICK, tick_body(3, credentials=["x"]), version=3), "invalid_field",
+     "TICK.credentials[0]: expected bytes"),
+    ("v3_credential_empty", lambda: frame(TICK, tick_body(3, credentials=[b""]), version=3),
+     "invalid_field", "TICK.credentials[0]: length 0 outside [1, 4096]"),
+    ("v3_too_many_credentials",
+     lambda: frame(TICK, tick_body(3, credentials=[b"c"] * 65), version=3), "limit_exceeded",
+     "TICK.credentials: 65 elements above the limit"),
     ("version_1_frame", lambda: frame(TICK, tick_body(), version=1), "unsupported_version",
      "frame: protocol version 1 not supported"),
     ("unknown_type", lambda: frame(9, packb({})), "unknown_type", "frame: unknown message type 9"),
@@ -388,8 +429,9 @@ def build() -> dict[str, Any]:
         {
             "name": name,
             "type": MESSAGE_TYPES[type(msg)].name,
-            "hex": encode_message(msg).hex(),
-            "decoded": message_json(msg),
+            "hex": encode_message(msg, _version(name)).hex(),
+            "decoded": message_json(msg, _version(name)),
+            **({"version": 3} if name in V3 else {}),
         }
         for name, msg in VALID
     ]
@@ -410,6 +452,10 @@ def build() -> dict[str, Any]:
             "vectors": malformed,
         },
     }
+
+
+def _version(name: str) -> int:
+    return 3 if name in V3 else PROTOCOL_VERSION
 
 
 def render(content: Any) -> str:

@@ -1,0 +1,208 @@
+"""Credentials: what each node says about itself, gossiped beside the records.
+
+With CA-bound trust (PROTOCOL.md 7.6) no node holds a list of the others' keys.
+Instead each node publishes a *credential*: its certificate from the cluster CA, and
+the record-signing key and address it vouches for, signed with the certificate's own
+key. A node that receives a relayed record of an origin it never linked to needs that
+origin's credential to check the record's signature, so the links carry credentials
+the way they carry records: each one once per link, the newest of each node only,
+before any record of the same message.
+
+To the core a credential is opaque bytes. Whether it is valid (the certificate chains
+to the CA, names the node, is not revoked; the signature holds) is cryptography, and
+the core stays free of it: the adapter's ``admit`` function judges each credential
+and says which node it speaks for and its *rank*. Of two credentials of one node the
+higher rank wins (a newer certificate, or the same one re-signed by a later life of
+the node), so every node ends up holding the same newest credential of each node, in
+any order of delivery, like a record merge.
+
+`CredentialBook` is that store. It is shared by every link of a node (through
+`link.LinkConfig`); each link remembers which ranks its peer holds and sends the rest
+(`pending_for`). A book without ``admit`` (trust lists, insecure mode, the simulator)
+takes nothing in and sends only what was put in it by hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+Rank = tuple[int, int]
+"""Orders the credentials of one node: the higher wins."""
+
+Admit = Callable[[bytes, "str | None"], "tuple[str, Rank] | None"]
+"""``admit(blob, via)``: the node ``blob`` speaks for and its rank, or None when it must
+not be taken (invalid, revoked, another cluster's). ``via`` is the peer it came from,
+as the link authenticated it. The function counts its own refusals."""
+
+MAX_CREDENTIAL_BYTES = 4096
+"""Largest credential on the wire (an RSA-4096 certificate fits with room to spare)."""
+MAX_CREDENTIALS_PER_MESSAGE = 64
+"""Credentials in one HELLO, TICK or TOCK: 64 of about 1 KiB stay well inside the
+frame budget, and a new link still learns 1,024 nodes in 16 exchanges."""
+
+
+@dataclass(frozen=True, slots=True)
+class Credential:
+    """One node's newest credential as this node holds it."""
+
+    node: str
+    rank: Rank
+    blob: bytes
+    seq: int
+    """The book's change counter when it was taken: what a link has sent up to."""
+
+
+class CredentialBook:
+    """The newest admitted credential of every node; see the module docstring."""
+
+    __slots__ = ("_admit", "_blob_node", "_by_node", "seq")
+
+    def __init__(self, admit: Admit | None = None) -> None:
+        self._admit = admit
+        self._by_node: dict[str, Credential] = {}
+        self._blob_node: dict[bytes, str] = {}
+        """The bytes of every credential held: the same bytes cross a node once per
+        link, and this test costs no cryptography."""
+        self.seq = 0
+        """Bumped at every change; links compare it with what they sent up to."""
+
+    def __len__(self) -> int:
+        return len(self._by_node)
+
+    def __contains__(self, node: object) -> bool:
+        return node in self._by_node
+
+    def get(self, node: str) -> Credential | None:
+        """The credential held for ``node``."""
+        return self._by_node.get(node)
+
+    def nodes(self) -> list[str]:
+        """Every node a credential is held for, sorted."""
+        return sorted(self._by_node)
+
+    def put(self, node: str, rank: Rank, blob: bytes) -> bool:
+        """Hold ``blob`` for ``node`` unless a credential of equal or higher rank is held
+        (our own credential, or one the adapter judged itself). True when it changed."""
+        if len(blob) > MAX_CREDENTIAL_BYTES:
+            raise ValueError(f"credential of {len(blob)} bytes exceeds {MAX_CREDENTIAL_BYTES}")
+        held = self._by_node.get(node)
+        if held is not None and held.rank >= rank:
+            return False
+        if held is not None:
+            del self._blob_node[held.blob]
+        self.seq += 1
+        self._by_node[node] = Credential(node, rank, blob, self.seq)
+        self._blob_node[blob] = node
+        return True
+
+    def remove(self, node: str) -> bool:
+        """Forget ``node``'s credential (revoked, expired, retired). True when one was
+        held. Links do not tell their peers: each peer judges the same certificate."""
+        held = self._by_node.pop(node, None)
+        if held is None:
+            return False
+        del self._blob_node[held.blob]
+        return True
+
+    def offer(self, blobs: Iterable[bytes], via: str | None) -> list[Credential]:
+        """Admit what a peer sent; returns the credentials that were new to us.
+
+        Bytes the book holds already are not judged again.
+        """
+        if self._admit is None:
+            return []
+        taken: list[Credential] = []
+        for blob in blobs:
+            if blob in self._blob_node:
+                continue
+            verdict = self._admit(blob, via)
+            if verdict is None:
+                continue
+            node, rank = verdict
+            if self.put(node, rank, blob):
+                taken.append(self._by_node[node])
+        return taken
+
+    def holding(self, blob: bytes) -> Credential | None:
+        """The credential held whose bytes are ``blob``, if any."""
+        node = self._blob_node.get(blob)
+        return None if node is None else self._by_node[node]
+
+    def pending_for(self, known: dict[str, Rank], since: int) -> list[Credential]:
+        """Credentials changed after ``since`` that the peer (whose ranks are
+        ``known``) does not hold, oldest change first."""
+        if since >= self.seq:
+            return []
+        out = [
+            c
+            for c in self._by_node.values()
+            if c.seq > since and known.get(c.node, (-1, -1)) < c.rank
+        ]
+        out.sort(key=lambda c: c.seq)
+        return out
+
+
+class CredentialExchange:
+    """One link's share of the gossip: which credentials its peer holds, and what to
+    send it next. Inert (sends and takes nothing) without a book or below version 3."""
+
+    __slots__ = ("_book", "_known", "_sent_seq")
+
+    def __init__(self, book: CredentialBook | None, enabled: bool) -> None:
+        self._book = book if enabled else None
+        self._known: dict[str, Rank] = {}
+        """node -> the rank the peer holds: sent by us, or received from it."""
+        self._sent_seq = 0
+        """Every change of the book up to this one is sent or known to the peer."""
+
+    def own(self, node: str) -> tuple[bytes, ...]:
+        """For our HELLO: our own credential, if we have one."""
+        cred = self._book.get(node) if self._book is not None else None
+        if cred is None:
+            return ()
+        self._known[node] = cred.rank
+        return (cred.blob,)
+
+    def take(self, blobs: tuple[bytes, ...], via: str | None) -> None:
+        """Admit what the peer sent (before the records of the same message), and note
+        that it holds them."""
+        book = self._book
+        if book is None or not blobs:
+            return
+        book.offer(blobs, via)
+        for blob in blobs:
+            cred = book.holding(blob)
+            if cred is not None and self._known.get(cred.node, (-1, -1)) < cred.rank:
+                self._known[cred.node] = cred.rank
+
+    def pending(self) -> bool:
+        """True when the peer lacks a credential we hold; changes what `deltas` sends
+        only by skipping changes the peer already knows."""
+        book = self._book
+        if book is None or book.seq <= self._sent_seq:
+            return False
+        if book.pending_for(self._known, self._sent_seq):
+            return True
+        self._sent_seq = book.seq
+        return False
+
+    def deltas(self, budget: int) -> tuple[bytes, ...]:
+        """The credentials to send in the next TICK or TOCK: at most
+        `MAX_CREDENTIALS_PER_MESSAGE`, within ``budget`` bytes; the rest go next time."""
+        book = self._book
+        if book is None or book.seq <= self._sent_seq:
+            return ()
+        pending = book.pending_for(self._known, self._sent_seq)
+        out: list[Credential] = []
+        for cred in pending:
+            if len(out) >= MAX_CREDENTIALS_PER_MESSAGE or len(cred.blob) > budget:
+                break
+            budget -= len(cred.blob)
+            out.append(cred)
+        if not out:
+            return ()  # not even one fits this frame limit: nothing to do but wait
+        self._sent_seq = out[-1].seq if len(out) < len(pending) else book.seq
+        for cred in out:
+            self._known[cred.node] = cred.rank
+        return tuple(c.blob for c in out)
