@@ -123,7 +123,7 @@ def test_a_refused_credential_is_neither_held_nor_passed_on() -> None:
 
 def test_version_2_links_carry_no_credentials_and_still_exchange_records() -> None:
     net = Net(["a", "b"])
-    x, y = net.link("a", "b", PROTOCOL_VERSION)
+    net.link("a", "b", PROTOCOL_VERSION)
     record = Record("s", "z", 1, 1, bytes(32), IntervalSet.of(3))
     net.nodes["a"].receive([record])
     net.pump()
