@@ -24,6 +24,7 @@ class WireLimits(Hashable, Protocol):
         """The msgpack unpacker's limits."""
         ...
 
+
 __all__ = ["DECODED", "DECODED_CAPACITY", "Interned", "set_decoded_capacity"]
 
 T = TypeVar("T")

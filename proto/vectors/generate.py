@@ -100,8 +100,14 @@ LARGE_RECORD = Record(
 CREDENTIAL = bytes(range(256)) * 2
 """Opaque to the codec (PROTOCOL.md 7.6 says what a daemon puts in it)."""
 
-V3 = frozenset({"v3_hello_with_credential", "v3_hello_without_credential",
-                "v3_tick_with_credentials", "v3_tock_without_credentials"})
+V3 = frozenset(
+    {
+        "v3_hello_with_credential",
+        "v3_hello_without_credential",
+        "v3_tick_with_credentials",
+        "v3_tock_without_credentials",
+    }
+)
 """The vectors framed in version 3 (every other one is version 2)."""
 
 VALID: list[tuple[str, Message]] = [
@@ -138,14 +144,26 @@ VALID: list[tuple[str, Message]] = [
     ("nudge", Nudge()),
     (
         "v3_hello_with_credential",
-        Hello(cluster="c", node="n1", incarnation=2, digest=bytes(16), summary=(),
-              credentials=(CREDENTIAL,)),
+        Hello(
+            cluster="c",
+            node="n1",
+            incarnation=2,
+            digest=bytes(16),
+            summary=(),
+            credentials=(CREDENTIAL,),
+        ),
     ),
     ("v3_hello_without_credential", Hello("c", "n1", 2, bytes(16), ())),
     (
         "v3_tick_with_credentials",
-        Tick(seq=3, digest=VIEW_DIGEST, match=False, records=(EMPTY_RECORD,),
-             links=("node-b",), credentials=(CREDENTIAL, b"\x01")),
+        Tick(
+            seq=3,
+            digest=VIEW_DIGEST,
+            match=False,
+            records=(EMPTY_RECORD,),
+            links=("node-b",),
+            credentials=(CREDENTIAL, b"\x01"),
+        ),
     ),
     ("v3_tock_without_credentials", Tock(seq=3, digest=VIEW_DIGEST, match=True, records=())),
     ("bye", Bye(reason="shutting down")),
