@@ -49,7 +49,6 @@ def test_peers_are_parsed(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "key", "expected"),
     [
-        ("", "node_id", "missing"),
         ('node_id = "a b"', "node_id", "no spaces"),
         ('node_id = "a"\nlisten = "nowhere"', "listen", "host:port"),
         ('node_id = "a"\nlisten = "h:70000"', "listen", "0 to 65535"),

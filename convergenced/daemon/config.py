@@ -21,6 +21,12 @@ from convergenced.core.facts import ComponentReport
 from convergenced.core.limits import MAX_MEMBERS
 from convergenced.core.validate import NAME_RE
 from convergenced.core.versions import MAX_COMPONENTS, Catalogue, check_report
+from convergenced.daemon.fleet_config import (
+    FleetConfig,
+    default_advertise,
+    node_id_from_environment,
+    parse_fleet,
+)
 from convergenced.errors import ConfigError
 from convergenced.security.trust import parse_trust_list
 
@@ -138,7 +144,16 @@ class Config:
     labels: tuple[tuple[str, str], ...] = ()
     """(name, value) pairs this node carries (``[labels]``): what a rollout plan's
     ``select`` matches, shown by ``status``."""
+    fleet: FleetConfig = field(default_factory=FleetConfig)
+    """Trust mode, advertised address and revocations (`fleet_config`)."""
+    node_id_origin: str = "node_id"
+    """Where the node id came from: the file, ``$CONVERGENCED_NODE_ID`` or the host name."""
     source: str = "<defaults>"
+
+    @property
+    def advertise(self) -> tuple[str, int]:
+        """The address peers dial to reach this node."""
+        return self.fleet.advertise or default_advertise(self.listen_host, self.listen_port)
 
     @property
     def identity_path(self) -> Path:
@@ -167,7 +182,7 @@ _TOP = {
     "node_id", "cluster", "listen", "peers", "socket_path", "state_dir",
     "tick_ms", "idle_ticks", "dead_ticks", "mesh_limit", "log_level", "limits",
     "wal_compact_bytes", "wal_group_commit", "insecure", "tls", "identity", "trust", "local",
-    "metrics_listen", "components", "labels",
+    "metrics_listen", "components", "labels", "trust_mode", "advertise", "revocation",
 }  # fmt: skip
 
 
@@ -189,12 +204,21 @@ def load(path: Path | str) -> Config:
     return parse(raw, str(path))
 
 
-def parse(raw: Mapping[str, Any], source: str = "<config>") -> Config:
-    """Validate an already-parsed TOML document."""
+def parse(
+    raw: Mapping[str, Any], source: str = "<config>", env: Mapping[str, str] | None = None
+) -> Config:
+    """Validate an already-parsed TOML document; ``env`` (default the process's) gives
+    the node id and advertised address the file leaves out (`fleet_config`)."""
     v = _Validator(source)
     v.no_unknown(raw, _TOP, "")
-    node_id = v.name(raw, "node_id", required=True)
-    assert node_id is not None
+    node_id = v.name(raw, "node_id")
+    origin = "node_id"
+    if node_id is None:
+        try:
+            node_id, origin = node_id_from_environment(env)
+        except ValueError as exc:
+            raise ConfigError(source, "node_id", f"missing, and {exc}") from None
+    fleet = parse_fleet(raw, source, env)
     host, port = v.address(raw.get("listen", f"0.0.0.0:{DEFAULT_PORT}"), "listen")
     peers = v.peers(raw.get("peers", []), node_id)
     idle = v.integer(raw, "idle_ticks", DEFAULT_IDLE_TICKS, lo=1, hi=1000)
@@ -229,7 +253,9 @@ def parse(raw: Mapping[str, Any], source: str = "<config>") -> Config:
         limits=v.limits(raw.get("limits", {})),
         components=v.components(raw.get("components", {})),
         labels=v.labels(raw.get("labels", {})),
-        **v.security(raw, node_id, peers),
+        **v.security(raw, node_id, peers, fleet),
+        fleet=fleet,
+        node_id_origin=origin,
         source=source,
     )
 
@@ -323,7 +349,9 @@ class _Validator:
             out.append(Peer(node_id, host, port))
         return tuple(out)
 
-    def security(self, raw: Mapping[str, Any], me: str, peers: tuple[Peer, ...]) -> dict[str, Any]:
+    def security(
+        self, raw: Mapping[str, Any], me: str, peers: tuple[Peer, ...], fleet: FleetConfig
+    ) -> dict[str, Any]:
         insecure = raw.get("insecure", False)
         if type(insecure) is not bool:
             raise self.fail("insecure", f"{insecure!r}; expected true or false")
@@ -339,7 +367,7 @@ class _Validator:
             tls = TlsFiles(
                 *(self.path(table, k, Path("/"), prefix="tls.") for k in ("cert", "key", "ca"))
             )
-        elif not insecure and peers:
+        elif not insecure and (peers or fleet.ca_trust):
             # Without peers nobody can be admitted on the peer port (a HELLO must name
             # a configured peer), so a single host needs no certificates.
             raise self.fail(
@@ -348,12 +376,14 @@ class _Validator:
                 "'convergenced ca init' and 'convergenced ca issue'), or insecure = true for "
                 "a throwaway local cluster",
             )
+        if insecure and fleet.ca_trust:
+            raise self.fail("trust_mode", "'ca' needs certificates; it cannot go with insecure")
         identity = self.path(raw, "identity", Path("/")) if "identity" in raw else None
         trust: tuple[tuple[str, str], ...] = ()
         if "trust" in raw:
             parse_trust_list(raw["trust"], self.source)  # validates names and keys
             trust = tuple(sorted((str(k), str(v).lower()) for k, v in raw["trust"].items()))
-        if not insecure:
+        if not insecure and not fleet.ca_trust:
             known = {n for n, _ in trust}
             for p in peers:
                 if p.node_id not in known:
