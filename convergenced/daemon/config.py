@@ -21,6 +21,7 @@ from convergenced.core.facts import ComponentReport
 from convergenced.core.limits import MAX_MEMBERS
 from convergenced.core.validate import NAME_RE
 from convergenced.core.versions import MAX_COMPONENTS, Catalogue, check_report
+from convergenced.discovery.contacts import parse_address
 from convergenced.errors import ConfigError
 from convergenced.security.trust import parse_trust_list
 
@@ -290,13 +291,12 @@ class _Validator:
         return Path(value)
 
     def address(self, value: Any, key: str) -> tuple[str, int]:
-        if not isinstance(value, str) or ":" not in value:
+        if not isinstance(value, str):
             raise self.fail(key, f"{value!r}; expected 'host:port'")
-        host, _, port_s = value.rpartition(":")
-        host = host.strip("[]")
-        if not host or not port_s.isdigit() or not 0 <= int(port_s) <= 65535:
-            raise self.fail(key, f"{value!r}; expected 'host:port' with a port from 0 to 65535")
-        return host, int(port_s)
+        try:
+            return parse_address(value, None)  # the one parser, shared with discovery
+        except ValueError as exc:
+            raise self.fail(key, str(exc)) from None
 
     def peers(self, value: Any, me: str) -> tuple[Peer, ...]:
         if not isinstance(value, list):
