@@ -27,6 +27,11 @@ from convergenced.daemon.fleet_config import (
     node_id_from_environment,
     parse_fleet,
 )
+from convergenced.discovery.contacts import (
+    DiscoveryConfig,
+    parse_address,
+    parse_discovery_table,
+)
 from convergenced.errors import ConfigError
 from convergenced.security.trust import parse_trust_list
 
@@ -144,6 +149,8 @@ class Config:
     labels: tuple[tuple[str, str], ...] = ()
     """(name, value) pairs this node carries (``[labels]``): what a rollout plan's
     ``select`` matches, shown by ``status``."""
+    discovery: DiscoveryConfig | None = None
+    """Where peers come from besides ``[[peers]]`` (`convergenced.discovery`)."""
     fleet: FleetConfig = field(default_factory=FleetConfig)
     """Trust mode, advertised address and revocations (`fleet_config`)."""
     node_id_origin: str = "node_id"
@@ -182,7 +189,7 @@ _TOP = {
     "node_id", "cluster", "listen", "peers", "socket_path", "state_dir",
     "tick_ms", "idle_ticks", "dead_ticks", "mesh_limit", "log_level", "limits",
     "wal_compact_bytes", "wal_group_commit", "insecure", "tls", "identity", "trust", "local",
-    "metrics_listen", "components", "labels", "trust_mode", "advertise", "revocation",
+    "metrics_listen", "components", "labels", "trust_mode", "advertise", "revocation", "discovery",
 }  # fmt: skip
 
 
@@ -254,6 +261,9 @@ def parse(
         components=v.components(raw.get("components", {})),
         labels=v.labels(raw.get("labels", {})),
         **v.security(raw, node_id, peers, fleet),
+        discovery=(
+            parse_discovery_table(raw["discovery"], source, port) if "discovery" in raw else None
+        ),
         fleet=fleet,
         node_id_origin=origin,
         source=source,
@@ -316,13 +326,12 @@ class _Validator:
         return Path(value)
 
     def address(self, value: Any, key: str) -> tuple[str, int]:
-        if not isinstance(value, str) or ":" not in value:
+        if not isinstance(value, str):
             raise self.fail(key, f"{value!r}; expected 'host:port'")
-        host, _, port_s = value.rpartition(":")
-        host = host.strip("[]")
-        if not host or not port_s.isdigit() or not 0 <= int(port_s) <= 65535:
-            raise self.fail(key, f"{value!r}; expected 'host:port' with a port from 0 to 65535")
-        return host, int(port_s)
+        try:
+            return parse_address(value, None)  # the one parser, shared with discovery
+        except ValueError as exc:
+            raise self.fail(key, str(exc)) from None
 
     def peers(self, value: Any, me: str) -> tuple[Peer, ...]:
         if not isinstance(value, list):

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from convergenced.core.validate import NAME_RE
+from convergenced.discovery.contacts import parse_address
 from convergenced.errors import ConfigError
 from convergenced.security.node_credentials import Revocations
 
@@ -77,15 +78,15 @@ def node_id_from_environment(env: Mapping[str, str] | None = None) -> tuple[str,
     return value, origin
 
 
-def parse_address(value: Any) -> tuple[str, int] | None:
-    """``host:port`` (``[v6]:port``) or None when it is not one."""
-    if not isinstance(value, str) or ":" not in value:
+def _advertised(value: Any) -> tuple[str, int] | None:
+    """``host:port`` (``[v6]:port``, port 1-65535) or None when it is not one."""
+    if not isinstance(value, str):
         return None
-    host, _, port_s = value.rpartition(":")
-    host = host.strip("[]")
-    if not host or not port_s.isdigit() or not 0 < int(port_s) <= 65535:
+    try:
+        host, port = parse_address(value, None)
+    except ValueError:
         return None
-    return host, int(port_s)
+    return (host, port) if port > 0 else None
 
 
 def default_advertise(listen_host: str, listen_port: int) -> tuple[str, int]:
@@ -114,7 +115,7 @@ def parse_fleet(
     if "advertise" in raw or env.get(ADVERTISE_ENV):
         key = "advertise" if "advertise" in raw else f"${ADVERTISE_ENV}"
         value = raw.get("advertise", env.get(ADVERTISE_ENV))
-        advertise = parse_address(value)
+        advertise = _advertised(value)
         if advertise is None:
             raise ConfigError(source, key, f"{value!r}; expected 'host:port' (port 1-65535)")
     return FleetConfig(mode, advertise, _revocation(raw.get("revocation", {}), source))
