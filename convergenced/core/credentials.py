@@ -56,10 +56,20 @@ class Credential:
 class CredentialBook:
     """The newest admitted credential of every node; see the module docstring."""
 
-    __slots__ = ("_admit", "_blob_node", "_by_node", "seq")
+    __slots__ = ("_admit", "_blob_node", "_by_node", "on_change", "seq")
 
-    def __init__(self, admit: Admit | None = None) -> None:
+    def __init__(
+        self,
+        admit: Admit | None = None,
+        on_change: Callable[[str, Credential | None], None] | None = None,
+    ) -> None:
+        """Args:
+        admit: judges what peers send (None: nothing is taken from peers).
+        on_change: told of each node whose credential changed (None: removed), so
+            the adapter can trust its new key.
+        """
         self._admit = admit
+        self.on_change = on_change
         self._by_node: dict[str, Credential] = {}
         self._blob_node: dict[bytes, str] = {}
         """The bytes of every credential held: the same bytes cross a node once per
@@ -92,8 +102,10 @@ class CredentialBook:
         if held is not None:
             del self._blob_node[held.blob]
         self.seq += 1
-        self._by_node[node] = Credential(node, rank, blob, self.seq)
+        cred = self._by_node[node] = Credential(node, rank, blob, self.seq)
         self._blob_node[blob] = node
+        if self.on_change is not None:
+            self.on_change(node, cred)
         return True
 
     def remove(self, node: str) -> bool:
@@ -103,6 +115,8 @@ class CredentialBook:
         if held is None:
             return False
         del self._blob_node[held.blob]
+        if self.on_change is not None:
+            self.on_change(node, None)
         return True
 
     def offer(self, blobs: Iterable[bytes], via: str | None) -> list[Credential]:

@@ -48,11 +48,11 @@ from convergenced.daemon.http import HttpEndpoint
 from convergenced.daemon.localapi.descriptors import size_clients
 from convergenced.daemon.localapi.unix_socket import open_unix_listener
 from convergenced.daemon.notify import Notifier
-from convergenced.daemon.peers.manager import link_config, overlay_peers
+from convergenced.daemon.peers.manager import link_config
 from convergenced.daemon.peers.security import PeerSecurity, load_security
 from convergenced.daemon.telemetry import Telemetry
-from convergenced.daemon.wiring import Running, assemble, cluster_members
-from convergenced.errors import StartupError
+from convergenced.daemon.wiring import Running, assemble, cluster_members, planned_links
+from convergenced.errors import ConvergencedError, StartupError
 
 __all__ = ["Daemon", "StartupError"]
 
@@ -277,6 +277,12 @@ class Daemon:
         r.api.max_clients = size_clients(cfg).max_clients
         telemetry.watch(r)
         self._keep_floor(r.node.incarnation)
+        try:
+            r.fleet.publish_own(r.node.incarnation)
+        except (ConvergencedError, ValueError) as exc:
+            raise StartupError(
+                f"{cfg.source}: tls: cannot sign this node's credential: {exc}"
+            ) from None
         await r.commits.log_now(r.node.incarnation_fact())
         log.info("starting", version=__version__, incarnation=r.node.incarnation,
                  facts=len(entries), streams=len(r.node.streams()),
@@ -294,7 +300,10 @@ class Daemon:
             nursery.start_soon(r.hub.run_timer)
             self._prime_metrics()
             self._serve_http(nursery, listeners.metrics)
-            r.peers.start_dialers(nursery, cfg)
+            r.fleet.on_members = self.apply_members
+            r.fleet.on_revoked = self._close_links_of
+            nursery.start_soon(r.fleet.run, nursery)
+            self.apply_members(r.fleet.effective())
             log.info("ready", peer_port=r.peer_port, socket=str(cfg.socket_path),
                      dials=sorted(r.peers.dialers))  # fmt: skip
             self.ready = True
@@ -413,14 +422,11 @@ class Daemon:
         if new.log_level != old.log_level:
             logs.configure(new.log_level, old.node_id, json=self.log_json)
         r.commits.compact_bytes = kept.wal_compact_bytes
-        r.operations.admission.cluster = cluster_members(kept)
-        r.hub.link_config = link_config(kept)
-        # A node unsure of its past waits to hear from the peers it links to: a peer
-        # removed from the file (a dead host) is waited for no more.
-        r.node.plan_links(sorted(overlay_peers(kept)))
-        r.hub.view_changed()  # what waited for that peer looks again
+        r.fleet.recheck(force=True)
+        if r.fleet.discovery is not None:
+            r.fleet.discovery.reload()
+        self.apply_members(r.fleet.effective(kept))
         self._prime_metrics()
-        r.peers.start_dialers(self._nursery, kept)
         log.info("configuration reloaded", peers=[p.node_id for p in kept.peers],
                  log_level=kept.log_level)  # fmt: skip
         if fixed:
@@ -428,6 +434,28 @@ class Daemon:
                 "these settings need a restart to change; still running the old ones", keys=fixed
             )
         return fixed
+
+    def apply_members(self, effective: Config) -> None:
+        """Dial, admit and wait for the members ``effective`` names: the configured
+        peers and those the fleet learned (`peers.fleet`)."""
+        r = self.running
+        assert r is not None and self._nursery is not None
+        r.operations.admission.cluster = cluster_members(effective, r.fleet)
+        r.hub.link_config = link_config(effective, r.fleet.book)
+        # A node unsure of its past waits to hear from the peers it links to: a peer
+        # removed (a dead host) is waited for no more.
+        r.node.plan_links(planned_links(effective, r.fleet))
+        r.hub.view_changed()  # what waited for that peer looks again
+        r.telemetry.fleet_members.set(len(effective.peers))
+        r.peers.start_dialers(self._nursery, effective)
+
+    def _close_links_of(self, node: str) -> None:
+        r = self.running
+        assert r is not None
+        for session in r.hub.sessions:
+            if session.peer == node:
+                session.link.close("certificate revoked")
+                session.wake()
 
     # -- metrics endpoint, probes, systemd ---------------------------------------------
 

@@ -124,6 +124,11 @@ CATALOG: tuple[MetricSpec, ...] = (
        "peer connections refused or closed for a protocol violation"),
     _m("records_rejected", "counter", R, "records dropped before merging (`unknown_origin`, "
        "`unsigned`, `bad_signature`)"),
+    _m("credentials_refused", "counter", R, "peer credentials not admitted (CA-bound trust: "
+       "`malformed`, `wrong_cluster`, `untrusted_certificate`, `wrong_node`, `expired`, "
+       "`revoked`, `bad_signature`)"),
+    _m("fleet_members", "gauge", (), "peers this node knows of (configured, discovered, "
+       "and vouched for by credentials)"),
     # -- the local API and the log
     _m("api_errors", "counter", R, "local API error replies"),
     _m("local_clients", "gauge", (), "connected local clients"),

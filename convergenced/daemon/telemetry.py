@@ -89,6 +89,9 @@ class Telemetry:
         self.api_errors = _counter("api_errors", r)
         self.frames_rejected = _counter("frames_rejected", r)
         self.records_rejected = _counter("records_rejected", r)
+        self.credentials_refused = _counter("credentials_refused", r)
+        fm = spec("fleet_members")
+        self.fleet_members = Gauge(fm.name, fm.help, list(fm.labels), registry=r)
         self.reconnects = _counter("peer_reconnects", r)
         self.frames = _counter("peer_frames", r)
         self.bytes = _counter("peer_bytes", r)
@@ -259,6 +262,12 @@ class Telemetry:
         if address:
             self.warn(reason, "peer connection refused", address=address, error=error)
 
+    def credential_refused(self, reason: str, detail: str, via: str | None) -> None:
+        """A peer's credential was not admitted (``reason`` is a bounded label)."""
+        self.credentials_refused.labels(reason=reason).inc()
+        self.warn(f"credential:{reason}", "credential refused", reason=reason, detail=detail,
+                  via=via)  # fmt: skip
+
     def record_rejected(self, reason: str, record: Record, via: str | None) -> None:
         """A record failed verification and was dropped before merging."""
         self.records_rejected.labels(reason=reason).inc()
@@ -364,6 +373,8 @@ class Telemetry:
             add(f"api_errors_{labels['reason']}", v)
         for labels, v in _samples(self.records_rejected):
             add(f"records_rejected_{labels['reason']}", v)
+        for labels, v in _samples(self.credentials_refused):
+            add(f"credentials_refused_{labels['reason']}", v)
         for labels, v in _samples(self.drains):
             add(f"drain_requests_{labels['outcome']}", v)
         for labels, v in _samples(self.frames_rejected):

@@ -27,6 +27,7 @@ from convergenced.daemon.durability.group_commit import GroupCommit
 from convergenced.daemon.durability.log_file import FactLog
 from convergenced.daemon.localapi.operations import LocalOperations
 from convergenced.daemon.localapi.server import LocalApiServer
+from convergenced.daemon.peers.fleet import Fleet
 from convergenced.daemon.peers.manager import PeerManager, link_config, overlay_peers
 from convergenced.daemon.peers.security import INSECURE_WARNING, PeerSecurity
 from convergenced.daemon.peers.session import PeerHub
@@ -47,6 +48,7 @@ class Running:
     peers: PeerManager
     operations: LocalOperations
     api: LocalApiServer
+    fleet: Fleet
     started: float = field(default_factory=trio.current_time)
     peer_port: int | None = None
     metrics_port: int | None = None
@@ -159,10 +161,24 @@ def incarnation_after(entries: list[Entry], floor: int = 0) -> int:
     return 1 + max([floor, *(e.number for e in entries if isinstance(e, Incarnation))])
 
 
-def cluster_members(cfg: Config) -> frozenset[str]:
-    """The nodes a stream declared here may name as members: this node, its peers and
-    its trust list (`core.admission`; a reload updates it)."""
-    return frozenset({cfg.node_id, *(p.node_id for p in cfg.peers), *(n for n, _ in cfg.trust)})
+def cluster_members(cfg: Config, fleet: Fleet | None = None) -> frozenset[str]:
+    """The nodes a stream declared here may name as members: this node, its peers, its
+    trust list and, with CA-bound trust, the nodes with a valid credential
+    (`core.admission`; reloads and credentials update it)."""
+    known = fleet.known_nodes() if fleet is not None else frozenset()
+    return frozenset(
+        {cfg.node_id, *(p.node_id for p in cfg.peers), *(n for n, _ in cfg.trust), *known}
+    )
+
+
+def planned_links(cfg: Config, fleet: Fleet) -> list[str] | None:
+    """Whom a node unsure of its past waits for (`core.lives`): its overlay links, or,
+    while the members are learned and few enough for a full mesh, every member of
+    each stream (None): a plan drawn from a partial list of members must not let it
+    skip one."""
+    if fleet.dynamic and len(cfg.peers) < cfg.mesh_limit:
+        return None
+    return sorted(overlay_peers(cfg))
 
 
 def assemble(
@@ -182,7 +198,8 @@ def assemble(
     node = NodeCore(cfg.node_id, incarnation_after(entries, floor), sign=security.sign,
                     verify=security.verify, unsure_of_past=fresh,
                     catalogues=[c.catalogue for c in cfg.components])  # fmt: skip
-    node.plan_links(sorted(overlay_peers(cfg)))
+    fleet = Fleet(cfg, security, telemetry)
+    node.plan_links(planned_links(cfg, fleet))
     node.replay(entries)
     for _ in iter(node.next_event, None):
         pass  # what replay reports is old news
@@ -195,11 +212,11 @@ def assemble(
         one_by_one=not cfg.wal_group_commit,
         compact_bytes=cfg.wal_compact_bytes,
     )
-    hub = PeerHub(node, gate, commits.durable, link_config(cfg), telemetry,
+    hub = PeerHub(node, gate, commits.durable, link_config(cfg, fleet.book), telemetry,
                   tick_seconds=cfg.tick_ms / 1000)  # fmt: skip
     admission = Admission(node, gate, max_streams=cfg.limits.max_streams,
                           max_members=cfg.limits.max_members,
-                          cluster=cluster_members(cfg))  # fmt: skip
+                          cluster=cluster_members(cfg, fleet))  # fmt: skip
     for c in cfg.components:
         # The configuration seeds a report the log does not hold; a report made
         # since (convergencectl report-version) is newer, and stands.
@@ -216,5 +233,5 @@ def assemble(
                             allowed_gids=cfg.allowed_gids)  # fmt: skip
     peers = PeerManager(hub, security.transport, cfg)
     running = Running(cfg, node, gate, commits, telemetry, security, hub, peers,
-                      operations, server)  # fmt: skip
+                      operations, server, fleet)  # fmt: skip
     return running

@@ -348,6 +348,19 @@ def _write(path: Path, data: bytes, mode: int, *, overwrite: bool) -> None:
 # -- reading ----------------------------------------------------------------------
 
 
+def load_ca_certificates(path: Path | str) -> list[x509.Certificate]:
+    """Every PEM certificate in a CA file (several during a change of CA).
+
+    Raises:
+        PkiError: naming the file: missing, unreadable, or no PEM certificate in it.
+    """
+    data = read_file(path)
+    try:
+        return x509.load_pem_x509_certificates(data)
+    except ValueError:
+        raise PkiError("no PEM certificate in the CA file", path) from None
+
+
 def load_certificate(path: Path | str) -> x509.Certificate:
     """The first PEM certificate in ``path``.
 

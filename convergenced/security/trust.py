@@ -161,6 +161,27 @@ class TrustList:
             for k in [k for k in self._cache if k[0] in changed]:
                 del self._cache[k]
 
+    def set_key(self, node_id: str, raw: bytes | None) -> None:
+        """Trust ``raw`` for ``node_id`` (None: trust nothing for it); cached
+        verifications of the node are dropped when its key changes.
+
+        Raises:
+            ValueError: a bad node id or a weak or malformed key; nothing changes then.
+        """
+        if raw is None:
+            if self._raw.pop(node_id, None) is not None:
+                del self._keys[node_id]
+                self._drop_cached({node_id})
+            return
+        if self._raw.get(node_id) == raw:
+            return
+        self._add(node_id, raw)
+        self._drop_cached({node_id})
+
+    def _drop_cached(self, nodes: set[str]) -> None:
+        for k in [k for k in self._cache if k[0] in nodes]:
+            del self._cache[k]
+
     def check(self, record: Record, *, link_peer: str | None = None) -> RejectReason | None:
         """Why ``record`` must not be merged, or None when it may be.
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import trio
 
+from convergenced.core.credentials import CredentialBook
 from convergenced.core.link import LinkConfig, Role
 from convergenced.core.overlay import dial_targets
-from convergenced.core.wire import WireLimits
+from convergenced.core.wire import CREDENTIALS_VERSION, PROTOCOL_VERSION, WireLimits
 from convergenced.daemon.config import Config, Peer
 from convergenced.daemon.peers.dialer import dial_forever
 from convergenced.daemon.peers.session import PeerHub, PeerSession
@@ -24,14 +25,19 @@ from convergenced.daemon.peers.transport import PeerTransport, TransportError
 from convergenced.daemon.telemetry import TOO_MANY_CONNECTIONS
 
 
-def link_config(cfg: Config) -> LinkConfig:
-    """The link settings a configuration implies."""
-    allowed = frozenset([cfg.node_id, *(p.node_id for p in cfg.peers)])
+def link_config(cfg: Config, credentials: CredentialBook | None = None) -> LinkConfig:
+    """The link settings a configuration implies. With CA-bound trust any node whose
+    certificate the cluster CA issued (and nobody revoked) may link, and the links
+    speak version 3 to carry ``credentials``."""
+    ca = cfg.fleet.ca_trust
+    allowed = None if ca else frozenset([cfg.node_id, *(p.node_id for p in cfg.peers)])
     return LinkConfig(
         cluster=cfg.cluster,
         idle_ticks=cfg.idle_ticks,
         dead_ticks=cfg.dead_ticks,
         allowed_peers=allowed,
+        wire_version=CREDENTIALS_VERSION if ca else PROTOCOL_VERSION,
+        credentials=credentials if ca else None,
         limits=WireLimits(
             max_frame_bytes=cfg.limits.max_frame_bytes,
             max_records=cfg.limits.max_records_per_message,

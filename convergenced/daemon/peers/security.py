@@ -11,7 +11,7 @@ core merges it; a rejected record is counted and dropped.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -43,13 +43,32 @@ class PeerSecurity:
     verify: Verify | None = None
     trust: TrustList | None = None
     own_public_key: bytes = b""
+    identity: NodeIdentity | None = None
+    credential_keys: dict[str, bytes] = field(default_factory=dict)
+    """Keys the cluster CA vouches for (CA-bound trust): they take precedence over the
+    trust list's, which they replace as a fleet migrates."""
+    list_keys: dict[str, bytes] = field(default_factory=dict)
 
     def reload_trust(self, cfg: Config) -> None:
-        """Take the trust list of a reloaded configuration (our own key stays)."""
+        """Take the trust list of a reloaded configuration (our own key and the
+        credentials' keys stay)."""
         if self.trust is not None:
-            keys = {node: bytes.fromhex(key) for node, key in cfg.trust}
+            self.list_keys = {node: bytes.fromhex(key) for node, key in cfg.trust}
+            keys = {**self.list_keys, **self.credential_keys}
             keys[cfg.node_id] = self.own_public_key
             self.trust.replace_keys(keys)
+
+    def set_credential_key(self, node: str, raw: bytes | None) -> None:
+        """Trust ``raw`` for ``node`` because its credential says so (None: its
+        credential is gone; the trust list's key, if any, counts again)."""
+        if self.trust is None:
+            return
+        if raw is None:
+            self.credential_keys.pop(node, None)
+            self.trust.set_key(node, self.list_keys.get(node))
+        else:
+            self.credential_keys[node] = raw
+            self.trust.set_key(node, raw)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,12 +80,13 @@ class KeyFiles:
     """This node's signing key (None: insecure, or no peers, so nothing is signed)."""
 
 
-def read_key_files(cfg: Config) -> KeyFiles:
+def read_key_files(cfg: Config, *, create_identity: bool = False) -> KeyFiles:
     """Read every certificate and key ``cfg`` names and check that they agree.
 
     The TLS key must match its certificate, which the cluster CA must have issued to
     this node; the identity key must be this node's and the one the trust list names
-    for it. Nothing is logged or written, so `convergenced check` runs this too.
+    for it. Nothing is logged or written (except a new identity key when
+    ``create_identity`` and there is none), so `convergenced check` runs this too.
 
     Raises:
         StartupError: naming the configuration file, its key, and the file at fault.
@@ -91,6 +111,15 @@ def read_key_files(cfg: Config) -> KeyFiles:
             f"not of this node {cfg.node_id!r} (issue one with: convergenced ca issue)"
         )
     key = "identity" if cfg.identity is not None else f"identity (default {cfg.identity_path})"
+    if create_identity and not cfg.identity_path.exists():
+        # CA-bound trust: nobody lists this key, the credential vouches for it, so a
+        # node may make its own at its first start.
+        try:
+            cfg.identity_path.parent.mkdir(parents=True, exist_ok=True)
+            NodeIdentity.generate(cfg.node_id).save(cfg.identity_path)
+        except (OSError, ConvergencedError) as exc:
+            raise StartupError(f"{cfg.source}: {key}: cannot create it: {exc}") from None
+        log.info("created this node's identity key", path=str(cfg.identity_path))
     try:
         identity = NodeIdentity.load(cfg.identity_path, node_id=cfg.node_id)
     except ConvergencedError as exc:
@@ -122,7 +151,7 @@ def load_security(cfg: Config, telemetry: Telemetry) -> PeerSecurity:
         StartupError: a file is missing or wrong, or the identity's key is not the
             one the trust list names for this node.
     """
-    files = read_key_files(cfg)
+    files = read_key_files(cfg, create_identity=cfg.fleet.ca_trust)
     security = PeerSecurity(files.transport)
     if cfg.insecure:
         log.warning(
@@ -134,10 +163,9 @@ def load_security(cfg: Config, telemetry: Telemetry) -> PeerSecurity:
         log.info("no peers configured: this node works alone and admits no peer")
         return security
     identity = files.identity
-    keys = {node: bytes.fromhex(key) for node, key in cfg.trust}
+    security.list_keys = {node: bytes.fromhex(key) for node, key in cfg.trust}
     own = identity.public_key_bytes()
-    keys[cfg.node_id] = own
-    trust = TrustList(keys)
+    trust = TrustList({**security.list_keys, cfg.node_id: own})
 
     def verify(record: Record, via: str | None) -> str | None:
         reason = trust.check(record, link_peer=via)
@@ -148,4 +176,5 @@ def load_security(cfg: Config, telemetry: Telemetry) -> PeerSecurity:
 
     security.sign, security.verify = identity.sign_record, verify
     security.trust, security.own_public_key = trust, own
+    security.identity = identity
     return security

@@ -11,8 +11,10 @@ label it is counted under).
 from __future__ import annotations
 
 import ssl
+from collections.abc import Callable
 
 import trio
+from cryptography import x509
 
 from convergenced.daemon.config import Config, Peer
 from convergenced.errors import ConvergencedError
@@ -40,10 +42,22 @@ class PeerTransport:
         self.handshake_timeout = config.limits.handshake_timeout_s
         self._server: ssl.SSLContext | None = None
         self._client: ssl.SSLContext | None = None
+        self.revoked: Callable[[str, x509.Certificate], str | None] | None = None
+        """Why a peer's certificate is no longer trusted (CA-bound trust sets it)."""
+        self.reload(config)
+
+    def reload(self, config: Config) -> None:
+        """Load the certificate files again (rotated on disk): new connections use
+        them, open ones keep what they negotiated.
+
+        Raises:
+            TlsConfigError: naming the file at fault; the old contexts stay.
+        """
         if config.tls is not None and not config.insecure:
             t = config.tls
-            self._server = tls.server_context(t.cert, t.key, t.ca)
+            server = tls.server_context(t.cert, t.key, t.ca)
             self._client = tls.client_context(t.cert, t.key, t.ca)
+            self._server = server
 
     async def accept(self, tcp: trio.SocketStream) -> tuple[trio.abc.Stream, str | None]:
         """Secure an accepted connection; return it and the peer's node id (None when
@@ -57,10 +71,12 @@ class PeerTransport:
         stream = trio.SSLStream(tcp, self._server, server_side=True)
         await self._handshake(stream)
         try:
-            return stream, tls.peer_node_id(stream)
+            node = tls.peer_node_id(stream)
         except ConvergencedError as exc:
             await trio.aclose_forcefully(stream)
             raise TransportError("tls_no_node_id", str(exc)) from None
+        await self._check_revoked(stream, node)
+        return stream, node
 
     async def dial(self, peer: Peer) -> trio.abc.Stream:
         """Connect to ``peer`` and secure the connection.
@@ -80,7 +96,42 @@ class PeerTransport:
         except ConvergencedError as exc:
             await trio.aclose_forcefully(stream)
             raise TransportError("tls_wrong_peer", str(exc)) from None
+        await self._check_revoked(stream, peer.node_id)
         return stream
+
+    async def probe(self, host: str, port: int) -> str:
+        """The node id of whoever answers at ``host:port`` (a discovered address with
+        no node id yet): a TLS handshake, then the connection is closed.
+
+        Raises:
+            OSError, trio.TooSlowError: the TCP connection failed.
+            TransportError: insecure mode (no certificate to read), a failed
+                handshake, or a certificate with no node id or revoked.
+        """
+        if self._client is None:
+            raise TransportError(
+                "probe_insecure", "an address alone names no node in insecure mode"
+            )
+        with trio.fail_after(self.handshake_timeout):
+            tcp = await trio.open_tcp_stream(host, port)
+        stream = trio.SSLStream(tcp, self._client, server_side=False)
+        await self._handshake(stream)
+        try:
+            node = tls.peer_node_id(stream)
+        except ConvergencedError as exc:
+            raise TransportError("tls_no_node_id", str(exc)) from None
+        finally:
+            await trio.aclose_forcefully(stream)
+        return node
+
+    async def _check_revoked(self, stream: trio.SSLStream[trio.SocketStream], node: str) -> None:
+        if self.revoked is None:
+            return
+        der = stream.getpeercert(True)
+        why = self.revoked(node, x509.load_der_x509_certificate(der)) if der else "no certificate"
+        if why is not None:
+            await trio.aclose_forcefully(stream)
+            raise TransportError("tls_revoked", f"{node}: {why}")
 
     async def _handshake(self, stream: trio.SSLStream[trio.SocketStream]) -> None:
         try:

@@ -1,0 +1,299 @@
+"""Who is in the cluster, as this node learns it: discovery, credentials, revocations.
+
+With ``[[peers]]`` and ``[trust]`` the cluster is written down in every file. A fleet
+sharing one configuration learns it instead:
+
+- *discovery* (`convergenced.discovery`) yields addresses, some with node ids; an
+  address without one is probed (a TLS handshake tells whose certificate answers);
+- with CA-bound trust every node's *credential* (`security.node_credentials`), gossiped
+  by the links (`core.credentials`), gives its record key and its advertised address;
+- the *revocations* (deny list, CRL) and the certificate files are looked at again
+  every ``recheck_s`` and on SIGHUP: a revoked credential is dropped, its key trusted
+  no more, its links closed; a rotated certificate is loaded and our credential
+  signed again.
+
+From all of it `Fleet.effective` makes the configuration the rest of the daemon
+already knows how to apply (`main.Daemon.apply_members`): the peers to dial, the
+nodes a declaration may name. Members come and go with hysteresis: a discovered
+member leaves only after missing from discovery for three refresh periods, so a
+flapping resolver moves nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import structlog
+import trio
+from cryptography import x509
+
+from convergenced.core.credentials import Credential, CredentialBook
+from convergenced.daemon.config import Config, Peer
+from convergenced.daemon.fleet_config import load_revocations
+from convergenced.daemon.peers.security import PeerSecurity
+from convergenced.daemon.telemetry import Telemetry
+from convergenced.discovery.contacts import Contact, parse_address
+from convergenced.discovery.sources import Discovery
+from convergenced.errors import ConvergencedError
+from convergenced.security import pki
+from convergenced.security.node_credentials import (
+    CredentialJudge,
+    Refusal,
+    make_credential,
+)
+
+log = structlog.get_logger("convergenced.daemon")
+
+GRACE_REFRESHES = 3
+"""A discovered member missing from this many lookups in a row is gone."""
+
+
+@dataclass
+class _Member:
+    node: str
+    host: str
+    port: int
+    last_seen: float
+    """`trio.current_time` of the last lookup (or credential) that showed it."""
+
+
+class Fleet:
+    """This node's knowledge of its fleet; see the module docstring."""
+
+    def __init__(self, cfg: Config, security: PeerSecurity, telemetry: Telemetry) -> None:
+        self.config = cfg
+        self.security = security
+        self.telemetry = telemetry
+        self.dynamic = cfg.fleet.ca_trust or cfg.discovery is not None
+        """Members are learned, not only configured."""
+        self.judge: CredentialJudge | None = None
+        self.book = CredentialBook()
+        self.discovery = Discovery(cfg.discovery) if cfg.discovery is not None else None
+        self._members: dict[str, _Member] = {}
+        self._contacts: frozenset[Contact] = frozenset()
+        self._probed: dict[tuple[str, int], str] = {}
+        self._changed = trio.Event()
+        self._stamps: dict[Path, tuple[float, int] | None] = {}
+        self.on_members: Callable[[Config], None] | None = None
+        """Called with the effective configuration when the members changed."""
+        self.on_revoked: Callable[[str], None] | None = None
+        """Called with a node whose certificate was revoked (its links are closed)."""
+        if cfg.fleet.ca_trust and security.trust is not None and cfg.tls is not None:
+            self.judge = CredentialJudge(
+                cfg.cluster,
+                pki.load_ca_certificates(cfg.tls.ca),
+                load_revocations(cfg.fleet.revocation),
+                on_refused=self._refused,
+            )
+            self.book = CredentialBook(self.judge.admit, on_change=self._credential_changed)
+            security.transport.revoked = self._revoked
+            for path in self._watched():
+                self._stamps[path] = _stamp(path)
+
+    # -- credentials --------------------------------------------------------------
+
+    def publish_own(self, incarnation: int) -> None:
+        """Sign our credential with the current certificate and put it in the book.
+
+        Raises:
+            ConvergencedError, ValueError: the certificate or key cannot be read.
+        """
+        cfg, identity = self.config, self.security.identity
+        if self.judge is None or identity is None or cfg.tls is None:
+            return
+        cert = pki.load_certificate(cfg.tls.cert)
+        key = pki.load_private_key(cfg.tls.key)
+        host, port = cfg.advertise
+        blob = make_credential(
+            cluster=cfg.cluster,
+            node=cfg.node_id,
+            record_key=identity.public_key_bytes(),
+            address=f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
+            serial=incarnation,
+            certificate=cert,
+            tls_key=key,
+        )
+        info = self.judge.check(blob)
+        if isinstance(info, tuple):
+            raise ValueError(f"our own credential does not hold: {info[1]}")
+        self.judge.admit(blob, None)
+        self.book.put(cfg.node_id, info.rank, blob)
+
+    def _credential_changed(self, node: str, cred: Credential | None) -> None:
+        if node == self.config.node_id:
+            return
+        info = self.judge.info(cred.blob) if cred is not None and self.judge else None
+        self.security.set_credential_key(node, info.record_key if info else None)
+        if info is None:
+            self._members.pop(node, None)
+        elif info.address:
+            try:
+                host, port = parse_address(info.address, None)
+            except ValueError:
+                return
+            self._members[node] = _Member(node, host, port, trio.current_time())
+        self._changed.set()
+
+    def _refused(self, reason: Refusal, detail: str, via: str | None) -> None:
+        self.telemetry.credential_refused(reason.value, detail, via)
+
+    def _revoked(self, node: str, cert: x509.Certificate) -> str | None:
+        return self.judge.revocations.why(node, cert) if self.judge is not None else None
+
+    # -- members ------------------------------------------------------------------
+
+    def members(self) -> list[Peer]:
+        """Every node to consider for the overlay, with the address to dial."""
+        me = self.config.node_id
+        out = {p.node_id: p for p in self.config.peers}
+        for m in self._members.values():
+            if m.node != me and m.node not in out:
+                out[m.node] = Peer(m.node, m.host, m.port)
+        return sorted(out.values(), key=lambda p: p.node_id)
+
+    def effective(self, cfg: Config | None = None) -> Config:
+        """``cfg`` (default ours) with the learned members among its peers."""
+        if cfg is not None:
+            self.config = cfg
+        return replace(self.config, peers=tuple(self.members()))
+
+    def known_nodes(self) -> frozenset[str]:
+        """Nodes with a valid credential (CA-bound trust's meaning of "in the cluster")."""
+        return frozenset(self.book.nodes())
+
+    def _contacts_changed(self, contacts: frozenset[Contact]) -> None:
+        self._contacts = contacts
+        now = trio.current_time()
+        for c in contacts:
+            node = c.node_id or self._probed.get((c.host, c.port))
+            if node is not None and node != self.config.node_id:
+                self._members[node] = _Member(node, c.host, c.port, now)
+        self._changed.set()
+
+    def _expire(self) -> None:
+        """Forget members discovery stopped showing (after the grace), unless a valid
+        credential still vouches for them."""
+        if self.discovery is None:
+            return
+        grace = GRACE_REFRESHES * self.discovery.config.refresh_s
+        now = trio.current_time()
+        shown = {(c.host, c.port) for c in self._contacts}
+        for node, m in list(self._members.items()):
+            if (m.host, m.port) in shown:
+                m.last_seen = now
+            elif now - m.last_seen > grace and node not in self.book:
+                del self._members[node]
+                self._changed.set()
+
+    async def _probe(self, contact: Contact) -> None:
+        try:
+            node = await self.security.transport.probe(contact.host, contact.port)
+        except (OSError, trio.TooSlowError, ConvergencedError) as exc:
+            log.debug("probe failed", address=contact.address, error=str(exc))
+            return
+        self._probed[(contact.host, contact.port)] = node
+        self._contacts_changed(self._contacts)
+
+    # -- the tasks ----------------------------------------------------------------
+
+    async def run(self, nursery: trio.Nursery) -> None:
+        """Discovery, probes, rechecks, and telling `on_members` of changes (at most
+        once a second) until cancelled."""
+        if self.discovery is not None:
+            nursery.start_soon(self.discovery.run, self._contacts_changed)
+        if self.judge is not None:
+            nursery.start_soon(self._recheck_loop)
+        probing: set[tuple[str, int]] = set()
+        while True:
+            await self._changed.wait()
+            self._changed = trio.Event()
+            self._expire()
+            known = {(m.host, m.port) for m in self._members.values()}
+            own = self.config.advertise
+            for c in self._contacts:
+                key = (c.host, c.port)
+                unknown = key not in known and key not in self._probed
+                if c.node_id is None and unknown and key not in probing and key != own:
+                    probing.add(key)
+                    nursery.start_soon(self._probe_once, c, probing)
+            if self.on_members is not None:
+                self.on_members(self.effective())
+            await trio.sleep(1.0)
+
+    async def _probe_once(self, contact: Contact, probing: set[tuple[str, int]]) -> None:
+        try:
+            await self._probe(contact)
+        finally:
+            await trio.sleep(self._recheck_s())
+            probing.discard((contact.host, contact.port))
+
+    def _recheck_s(self) -> float:
+        return self.config.fleet.revocation.recheck_s
+
+    async def _recheck_loop(self) -> None:
+        while True:
+            await trio.sleep(self._recheck_s())
+            self.recheck()
+            self._expire()
+
+    def recheck(self, *, force: bool = False) -> None:
+        """Look at the revocations and the certificate files again (every
+        ``recheck_s``; at once on SIGHUP with ``force``) and at every held credential."""
+        judge = self.judge
+        if judge is None:
+            return
+        changed = [p for p in self._watched() if force or _stamp(p) != self._stamps.get(p)]
+        for path in changed:
+            self._stamps[path] = _stamp(path)
+        cfg = self.config
+        if (
+            any(p in changed for p in (cfg.fleet.revocation.deny_file, cfg.fleet.revocation.crl))
+            or force
+        ):
+            try:
+                judge.revocations = load_revocations(cfg.fleet.revocation)
+                log.info("revocations loaded", entries=len(judge.revocations))
+            except ValueError as exc:
+                log.error("revocations not reloaded; keeping the previous ones", error=str(exc))
+        if cfg.tls is not None and any(
+            p in changed for p in (cfg.tls.cert, cfg.tls.key, cfg.tls.ca)
+        ):
+            try:
+                self.security.transport.reload(cfg)
+                judge.ca_certs = tuple(pki.load_ca_certificates(cfg.tls.ca))
+                own = self.book.get(cfg.node_id)
+                self.publish_own(own.rank[1] if own else 0)
+                log.info("certificates reloaded", cert=str(cfg.tls.cert))
+            except (ConvergencedError, ValueError, OSError) as exc:
+                log.error("certificates not reloaded; keeping the previous ones", error=str(exc))
+        for node in self.book.nodes():
+            cred = self.book.get(node)
+            info = judge.info(cred.blob) if cred is not None else None
+            if cred is None or info is None:
+                continue
+            problem = judge.still_valid(info)
+            if problem is not None and node != cfg.node_id:
+                log.warning("credential no longer valid", node=node, reason=problem[0].value,
+                            detail=problem[1])  # fmt: skip
+                self.book.remove(node)
+                judge.forget(cred.blob)
+                if problem[0] is Refusal.REVOKED and self.on_revoked is not None:
+                    self.on_revoked(node)
+
+    def _watched(self) -> list[Path]:
+        cfg = self.config
+        rev = cfg.fleet.revocation
+        paths = [p for p in (rev.deny_file, rev.crl) if p is not None]
+        if cfg.tls is not None:
+            paths += [cfg.tls.cert, cfg.tls.key, cfg.tls.ca]
+        return paths
+
+
+def _stamp(path: Path) -> tuple[float, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_mtime, st.st_size
