@@ -302,6 +302,7 @@ class Daemon:
             self._serve_http(nursery, listeners.metrics)
             r.fleet.on_members = self.apply_members
             r.fleet.on_revoked = self._close_links_of
+            r.fleet.linked = lambda: frozenset(r.node.neighbours)
             nursery.start_soon(r.fleet.run, nursery)
             self.apply_members(r.fleet.effective())
             log.info("ready", peer_port=r.peer_port, socket=str(cfg.socket_path),

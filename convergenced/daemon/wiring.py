@@ -70,7 +70,7 @@ class Running:
     def peer_links(self) -> list[tuple[str, bool]]:
         """Every configured peer, and whether a link to it is established."""
         linked = self.node.neighbours
-        return [(p.node_id, p.node_id in linked) for p in self.config.peers]
+        return [(p.node_id, p.node_id in linked) for p in self.fleet.members()]
 
     def wal_bytes(self) -> int | None:
         """Size of the log on disk."""
@@ -138,7 +138,7 @@ class Running:
                     "dialled": p.node_id in self.peers.dialers,
                     "overlay_link": p.node_id in self.peers.overlay,
                 }
-                for p in cfg.peers
+                for p in self.fleet.members()
             ],
             "links": links,
             "clients": len(self.api.sessions),

@@ -78,6 +78,8 @@ class Fleet:
         self._stamps: dict[Path, tuple[float, int] | None] = {}
         self.on_members: Callable[[Config], None] | None = None
         """Called with the effective configuration when the members changed."""
+        self.linked: Callable[[], frozenset[str]] = frozenset
+        """The peers with an established link now (the daemon sets it)."""
         self.on_revoked: Callable[[str], None] | None = None
         """Called with a node whose certificate was revoked (its links are closed)."""
         if cfg.fleet.ca_trust and security.trust is not None and cfg.tls is not None:
@@ -193,7 +195,13 @@ class Fleet:
         except (OSError, trio.TooSlowError, ConvergencedError) as exc:
             log.debug("probe failed", address=contact.address, error=str(exc))
             return
-        self._probed[(contact.host, contact.port)] = node
+        key = (contact.host, contact.port)
+        self._probed[key] = node
+        for other, m in list(self._members.items()):
+            if other != node and (m.host, m.port) == key:
+                # Another node answers at this address now (a host replaced by a spare
+                # with a new identity): the old one is not there any more.
+                del self._members[other]
         self._contacts_changed(self._contacts)
 
     # -- the tasks ----------------------------------------------------------------
@@ -203,19 +211,20 @@ class Fleet:
         once a second) until cancelled."""
         if self.discovery is not None:
             nursery.start_soon(self.discovery.run, self._contacts_changed)
-        if self.judge is not None:
-            nursery.start_soon(self._recheck_loop)
+        nursery.start_soon(self._recheck_loop)
         probing: set[tuple[str, int]] = set()
         while True:
             await self._changed.wait()
             self._changed = trio.Event()
             self._expire()
-            known = {(m.host, m.port) for m in self._members.values()}
+            # Addresses of members we hold no link to are probed again (at most once
+            # per recheck period): whoever answers there now is who is there.
+            linked = self.linked()
+            known = {(m.host, m.port) for m in self._members.values() if m.node in linked}
             own = self.config.advertise
             for c in self._contacts:
                 key = (c.host, c.port)
-                unknown = key not in known and key not in self._probed
-                if c.node_id is None and unknown and key not in probing and key != own:
+                if c.node_id is None and key not in known and key not in probing and key != own:
                     probing.add(key)
                     nursery.start_soon(self._probe_once, c, probing)
             if self.on_members is not None:
@@ -236,7 +245,7 @@ class Fleet:
         while True:
             await trio.sleep(self._recheck_s())
             self.recheck()
-            self._expire()
+            self._changed.set()
 
     def recheck(self, *, force: bool = False) -> None:
         """Look at the revocations and the certificate files again (every

@@ -1,0 +1,91 @@
+"""Twelve real daemons from one shared configuration: no peer list, no trust list.
+
+Node ids come from the environment, peers from DNS SRV records served by a real DNS
+server, record keys from credentials the cluster CA vouches for (`tests.fleet_cluster`).
+The fleet links up and agrees on a restore point; two hosts are then replaced by
+spares with new identities (new certificates, keys and empty disks, at the same
+addresses), DNS is updated, and the fleet agrees again with them as members. A node
+put on the deny list is cut off at the next recheck.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fleet_cluster import FleetCluster, wait_for
+
+N = 12
+
+
+def names(*numbers: int) -> list[str]:
+    return [f"fleet-{i:02d}" for i in numbers]
+
+
+def spec(name: str, nodes: list[str]) -> dict[str, Any]:
+    return {
+        "name": name,
+        "members": {node: [i] for i, node in enumerate(nodes)},
+        "policy": {"mode": "all", "domains": ["nvme"]},
+        "retention": 0,
+    }
+
+
+def agree(fleet: FleetCluster, stream: str, nodes: list[str], epoch: int) -> None:
+    """Every member declares ``stream``, commits ``epoch`` for its rank, and waits
+    until the restore point is ``epoch`` on every member."""
+    for i, node in enumerate(nodes):
+        c = fleet.client(node)
+        c.declare(spec(stream, nodes))
+        c.commit(stream, i, "nvme", epoch)
+    for node in nodes:
+        state = fleet.client(node).wait(stream, epoch, timeout=60)
+        assert state["restore_point"] == epoch, (node, state)
+
+
+def test_a_fleet_from_one_configuration_survives_replaced_hosts() -> None:
+    with FleetCluster() as fleet:
+        first = names(*range(1, N + 1))
+        for node in first:
+            fleet.add(node)
+        for node in first:
+            fleet.start(node)
+        took = wait_for(
+            lambda: all(fleet.linked(n) == set(first) - {n} for n in first),
+            90,
+            "every node linked to the 11 others",
+        )
+        print(f"full mesh of {N} from DNS in {took:.1f} s")
+        agree(fleet, "job", first, 5)
+
+        # Two hosts fail for good; spares with new identities take their addresses.
+        gone, spares = names(11, 12), names(13, 14)
+        for old, new in zip(gone, spares, strict=True):
+            port = fleet.ports[old]
+            fleet.remove(old)
+            fleet.add(new, port)
+            fleet.start(new)
+        now = names(*range(1, 11), 13, 14)
+        took = wait_for(
+            lambda: all(set(now) - {n} <= fleet.linked(n) for n in now),
+            90,
+            "the spares linked to everyone",
+        )
+        print(f"spares linked in {took:.1f} s")
+        agree(fleet, "job2", now, 7)
+        for node in now:
+            status = fleet.status(node)
+            assert status is not None
+            counters = status["counters"]
+            refused = {k: v for k, v in counters.items() if k.startswith("credentials_refused")}
+            assert not any(refused.values()), (node, refused)
+
+        # Revocation: fleet-13 goes on the deny list; within a few rechecks nobody
+        # keeps a link to it, and it cannot link again.
+        fleet.deny_file.write_text("fleet-13\n")
+        others = [n for n in now if n != "fleet-13"]
+        wait_for(
+            lambda: all("fleet-13" not in fleet.linked(n) for n in others),
+            30,
+            "fleet-13 cut off",
+        )
+        assert "credential no longer valid" in fleet.log("fleet-01")
