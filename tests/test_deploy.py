@@ -20,6 +20,8 @@ What is checked, and against what:
   sidecar's script is run against a fake API server. The Prometheus scrape job keeps
   exactly the daemon's metrics port (its relabelling is replayed here) and passes
   ``promtool check config``.
+* ``docs/kubernetes.md`` and ``docs/bare-metal.md``: their YAML and TOML examples
+  parse and their links into the repository resolve.
 * ``deploy/prometheus/``: ``promtool check rules`` and ``check config``, and
   ``promtool test rules`` proving that each alert fires on the situation it names and
   not on a healthy one.
@@ -768,6 +770,18 @@ def test_node_certificates_name_their_node() -> None:
     assert binding["metadata"]["namespace"] == role["metadata"]["namespace"]
     assert os.access(NODE_CERTIFICATES, os.X_OK)
 
+    # The example in docs/kubernetes.md is what the script prints.
+    text = (REPO / "docs" / "kubernetes.md").read_text(encoding="utf-8")
+    (shown,) = [
+        d
+        for body in re.findall(r"^```yaml\n(.*?)^```$", text, flags=re.M | re.S)
+        for d in yaml.safe_load_all(body)
+        if isinstance(d, dict) and d.get("kind") == "Certificate"
+    ]
+    printed = node_certificates(shown["spec"]["commonName"])[0]
+    assert shown["metadata"] == {k: printed["metadata"][k] for k in shown["metadata"]}
+    assert shown["spec"] == {k: printed["spec"][k] for k in shown["spec"]}
+
 
 # -- the certificate sidecar's script ------------------------------------------------
 
@@ -950,6 +964,68 @@ def test_fleet_configs_pass_the_parser(which: str, monkeypatch: pytest.MonkeyPat
     cfg = config.parse(tomllib.loads(text), which)
     assert cfg.node_id == "gpu-node-01" and cfg.peers == () and cfg.trust == ()
     assert cfg.listen_port == PEER_PORT and cfg.tls is not None
+
+
+# -- the deployment pages ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page", ["kubernetes.md", "bare-metal.md"])
+def test_deployment_pages_examples_parse(page: str) -> None:
+    text = (REPO / "docs" / page).read_text(encoding="utf-8")
+    blocks = re.findall(r"^```(\w+)\n(.*?)^```$", text, flags=re.M | re.S)
+    assert blocks
+    for lang, body in blocks:
+        if lang == "yaml":
+            assert [d for d in yaml.safe_load_all(body) if d is not None], body
+        elif lang == "toml":
+            tomllib.loads(body)
+    # Every file of the repository a page links to exists.
+    for target in re.findall(r"\]\((\.\./[^)#]+)", text):
+        assert (REPO / "docs" / target).resolve().exists(), target
+
+
+def test_sidecar_example_agrees_with_the_daemon() -> None:
+    path = K8S / "sidecar-example.yaml"
+    job = k8s_object("Job", path)
+    pod = job["spec"]["template"]["spec"]
+    volumes = pod["volumes"]
+    sidecar = by_name(pod["initContainers"], "convergenced")
+    # A native sidecar: an init container that keeps running.
+    assert sidecar["restartPolicy"] == "Always"
+    assert sidecar["startupProbe"]["exec"]["command"] == HEALTHCHECK
+    check_daemon_container(sidecar, pod)
+    installer = by_name(pod["initContainers"], "convergenced-config")
+    assert "restartPolicy" not in installer
+    assert pod["initContainers"].index(installer) < pod["initContainers"].index(sidecar)
+
+    trainer = by_name(pod["containers"], "train")
+    run_volume = mounts(sidecar, volumes)[str(SOCKET_DIR)]
+    assert "emptyDir" in run_volume
+    assert mounts(trainer, volumes)[str(SOCKET_DIR)] is run_volume
+
+    cfgs = check_config_files(
+        configmap("trainer-convergenced"),
+        daemon=sidecar,
+        installer=installer,
+        volumes=volumes,
+        groups={pod["securityContext"]["fsGroup"]},
+    )
+    env = {e["name"]: e.get("value") for e in trainer["env"]}
+    for cfg in cfgs:
+        assert env["CONVERGENCED_SOCKET"] == str(cfg.socket_path)
+        # An emptyDir is world-writable, where the daemon refuses to put its socket:
+        # it goes one level down, in a directory the daemon creates 0750.
+        assert cfg.socket_path.parent.parent == SOCKET_DIR
+        # Peers are the other pods of the job, by their stable names.
+        assert {p.host for p in cfg.peers} == {
+            f"trainer-{i}.trainer" for i in range(job["spec"]["completions"])
+        } - {f"{cfg.node_id}.trainer"}
+    assert len(cfgs) == job["spec"]["completions"]
+    assert job["spec"]["completionMode"] == "Indexed"
+    service = k8s_object("Service", path)
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"]
+    assert [p["port"] for p in service["spec"]["ports"]] == [PEER_PORT]
+    assert pod["subdomain"] == service["metadata"]["name"]
 
 
 def relabel(labels: dict[str, str], rules: list[dict[str, Any]]) -> dict[str, str] | None:
