@@ -633,8 +633,8 @@ def test_daemonset_config_serves_the_whole_fleet() -> None:
     assert cfg["trust_mode"] == "ca"
     assert cfg.get("insecure", False) is False and cfg["tls"].keys() == {"cert", "key", "ca"}
     assert cfg["revocation"]["recheck_s"] > 0
-    # Peers from the headless Service's DNS name, fully qualified (the resolver does not
-    # apply search domains).
+    # Peers from the headless Service's DNS name, fully qualified (whatever the pod's
+    # search list).
     service = k8s_object("Service", K8S / "daemonset.yaml")
     meta = service["metadata"]
     assert cfg["discovery"]["dns"] == f"{meta['name']}.{meta['namespace']}.svc.cluster.local"
