@@ -11,9 +11,17 @@ What is checked, and against what:
   the daemon's defaults, and a build context that keeps what the build copies.
 * ``deploy/k8s/``: every manifest parses; the DaemonSet and the sidecar example agree
   with the daemon's defaults (ports, socket and state paths, probes, healthcheck) and
-  with their own configuration files, which must pass `config.parse`; the Prometheus
-  scrape job keeps exactly the daemon's metrics port (its relabelling is replayed here)
-  and passes ``promtool check config``.
+  with their configuration. The DaemonSet's one configuration (``configmap.yaml``)
+  names no node, trusts the CA, discovers peers through the headless Service, and
+  every file it names is on the volume that provides it; the sidecar example's files
+  must pass `config.parse`, and so must the fleet files once the parser knows their
+  keys. The cert-manager objects and ``node-certificates.sh`` make certificates the
+  daemon accepts (node URI, both usages, the CA Issuer), and the certificate
+  sidecar's script is run against a fake API server. The Prometheus scrape job keeps
+  exactly the daemon's metrics port (its relabelling is replayed here) and passes
+  ``promtool check config``.
+* ``docs/kubernetes.md`` and ``docs/bare-metal.md``: their YAML and TOML examples
+  parse and their links into the repository resolve.
 * ``deploy/prometheus/``: ``promtool check rules`` and ``check config``, and
   ``promtool test rules`` proving that each alert fires on the situation it names and
   not on a healthy one.
@@ -29,16 +37,20 @@ missing tool fails.
 
 from __future__ import annotations
 
+import base64
 import copy
 import fnmatch
 import functools
+import http.server
 import json
 import os
 import re
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
+import threading
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
@@ -50,6 +62,8 @@ import yaml
 from convergenced import cli
 from convergenced.daemon import config
 from convergenced.daemon import metrics as metrics_catalog
+from convergenced.errors import ConfigError
+from convergenced.security import pki, tls
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
@@ -249,7 +263,9 @@ def test_unit_matches_the_daemon() -> None:
 
     # The directories systemd makes for it are the daemon's default ones.
     assert Path("/run", service["RuntimeDirectory"]) == SOCKET_DIR
-    assert Path("/var/lib", service["StateDirectory"]) == STATE_DIR
+    # The state, and apart from it the identity that trust_mode = "ca" creates.
+    state_dirs = [Path("/var/lib", d) for d in service["StateDirectory"].split()]
+    assert state_dirs[0] == STATE_DIR and len(state_dirs) == 2
     assert service["RuntimeDirectoryMode"] == service["StateDirectoryMode"] == "0750"
     assert str(STATE_DIR) in service["ReadWritePaths"].split()
     assert str(CONFIG_PATH.parent) in service["ReadOnlyPaths"].lstrip("-").split()
@@ -361,8 +377,10 @@ def test_dockerfile_matches_the_daemon() -> None:
 def test_k8s_manifests_parse() -> None:
     objects = k8s_objects()
     assert {p.name for p, _ in objects} >= {
+        "namespace.yaml",
         "daemonset.yaml",
         "configmap.yaml",
+        "cert-manager.yaml",
         "sidecar-example.yaml",
         "prometheus-scrape.yaml",
     }
@@ -431,10 +449,38 @@ def check_config_files(
     return cfgs
 
 
+def daemonset_pod() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The DaemonSet's pod template and its spec."""
+    template = k8s_object("DaemonSet")["spec"]["template"]
+    return template, template["spec"]
+
+
+def fleet_config() -> dict[str, Any]:
+    """The DaemonSet's one configuration, as TOML (the parser of this tree may not
+    know the fleet keys yet: `test_fleet_configs_pass_the_parser` takes it further)."""
+    return tomllib.loads(configmap("convergenced-config")["convergenced.toml"])
+
+
+def field_ref(container: dict[str, Any], name: str) -> str:
+    """The downward-API field an environment variable of ``container`` comes from."""
+    return str(by_name(container["env"], name)["valueFrom"]["fieldRef"]["fieldPath"])
+
+
+def mount_of(
+    path: str, container: dict[str, Any], volumes: list[dict[str, Any]]
+) -> tuple[str, dict[str, Any]]:
+    """(mountPath, volume) of the deepest mount of ``container`` holding ``path``."""
+    found = [
+        (at, volume)
+        for at, volume in mounts(container, volumes).items()
+        if PurePosixPath(path).is_relative_to(at)
+    ]
+    assert found, f"{path} is on no volume of {container['name']}"
+    return max(found, key=lambda f: len(f[0]))
+
+
 def test_daemonset_agrees_with_the_daemon() -> None:
-    ds = k8s_object("DaemonSet")
-    template = ds["spec"]["template"]
-    pod = template["spec"]
+    template, pod = daemonset_pod()
     volumes = pod["volumes"]
     daemon = by_name(pod["containers"], "convergenced")
     check_daemon_container(daemon, pod)
@@ -447,9 +493,20 @@ def test_daemonset_agrees_with_the_daemon() -> None:
         "prometheus.io/scrape": "true",
         "prometheus.io/port": str(METRICS_PORT),
         "prometheus.io/path": "/metrics",
+        # `kubectl exec POD -- convergencectl ...` (docs) reaches the daemon.
+        "kubectl.kubernetes.io/default-container": daemon["name"],
     }
     assert daemon["resources"]["requests"] == {"cpu": "50m", "memory": "100Mi"}
     assert pod["securityContext"]["runAsUser"] == IMAGE_UID
+
+    # One pod template for every node: the node id is the node's name, the address
+    # peers dial its node IP on the peer port.
+    assert field_ref(daemon, "CONVERGENCED_NODE_ID") == "spec.nodeName"
+    assert field_ref(daemon, "HOST_IP") == "status.hostIP"
+    env = {e["name"]: e.get("value") for e in daemon["env"]}
+    assert env["CONVERGENCED_ADVERTISE"] == f"$(HOST_IP):{PEER_PORT}"
+    names = [e["name"] for e in daemon["env"]]
+    assert names.index("HOST_IP") < names.index("CONVERGENCED_ADVERTISE"), "$(HOST_IP) expands"
 
     # The socket in the node's /run/convergenced, where training pods mount it; state on
     # the node, so it outlives the pod.
@@ -459,33 +516,472 @@ def test_daemonset_agrees_with_the_daemon() -> None:
         "type": "DirectoryOrCreate",
     }
     assert mounted[str(STATE_DIR)]["hostPath"]["path"] == str(STATE_DIR)
+    assert mounted[str(CONFIG_PATH.parent)]["configMap"]["name"] == "convergenced-config"
+    # No Kubernetes credentials in the daemon's container.
+    assert pod["automountServiceAccountToken"] is False
+    assert not [v for v in mounted.values() if "projected" in v]
 
     # Only the step that hands the host directories to the daemon's user runs as root,
-    # with CAP_CHOWN alone.
-    inits = {c["name"]: c for c in pod["initContainers"]}
-    for c in inits.values():
+    # with CAP_CHOWN alone, and only on directories that root still owns (chmod on the
+    # daemon's own directories would need CAP_FOWNER).
+    host_dirs = {at for at, v in mounted.items() if "hostPath" in v}
+    for c in pod["initContainers"]:
         sc = c["securityContext"]
         assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
         if sc.get("runAsUser") == 0:
             assert sc["capabilities"]["add"] == ["CHOWN"]
-            assert set(mounts(c, volumes)) == {str(SOCKET_DIR), str(STATE_DIR)}
-            assert f"chown {IMAGE_UID}:{IMAGE_UID}" in " ".join(c["command"])
-    installer = by_name(pod["initContainers"], "install-config")
-    assert mounts(installer, volumes)["/config-src"]["configMap"]["name"] == "convergenced-config"
-    assert "/config-src/$NODE_NAME.toml" in " ".join(installer["command"])
-    assert by_name(installer["env"], "NODE_NAME")["valueFrom"]["fieldRef"] == {
-        "fieldPath": "spec.nodeName"
+            assert set(mounts(c, volumes)) == host_dirs
+            script = " ".join(c["command"])
+            assert f"chown {IMAGE_UID}:{IMAGE_UID}" in script
+            assert all(d in script for d in host_dirs)
+
+
+def test_daemonset_hands_over_host_dirs_once(tmp_path: Path) -> None:
+    """The root step chmods and chowns a host directory only while root owns it: at
+    a later start the daemon owns it, and chmod without CAP_FOWNER would fail. Run with
+    stand-ins for stat, chmod and chown that record their calls."""
+    _, pod = daemonset_pod()
+    (step,) = [c for c in pod["initContainers"] if c["securityContext"].get("runAsUser") == 0]
+    assert step["command"][:2] == ["/bin/sh", "-c"]
+    host_dirs = set(mounts(step, pod["volumes"]))
+    calls = tmp_path / "calls"
+    for tool, body in {
+        "stat": 'echo "$OWNER"',
+        "chmod": f'echo "chmod $*" >> {calls}',
+        "chown": f'echo "chown $*" >> {calls}',
+    }.items():
+        (tmp_path / tool).write_text(f"#!/bin/sh\n{body}\n")
+        (tmp_path / tool).chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin"}
+
+    proc = run(["/bin/sh", "-c", step["command"][2]], env=env | {"OWNER": "0"})
+    assert proc.returncode == 0, proc.stderr
+    done = calls.read_text().splitlines()
+    assert {line.split()[-1] for line in done} == host_dirs
+    assert {line for line in done if line.startswith("chown")} == {
+        f"chown {IMAGE_UID}:{IMAGE_UID} {d}" for d in host_dirs
+    }
+    modes = {line.split()[2]: line.split()[1] for line in done if line.startswith("chmod")}
+    assert modes[str(SOCKET_DIR)] == "0750", "training pods' group enters, nobody else"
+    assert all(m in ("0700", "0750") for m in modes.values())
+
+    calls.unlink()
+    proc = run(["/bin/sh", "-c", step["command"][2]], env=env | {"OWNER": str(IMAGE_UID)})
+    assert proc.returncode == 0 and not calls.exists(), proc.stderr
+
+
+def test_daemonset_mounts_what_the_config_names() -> None:
+    _, pod = daemonset_pod()
+    volumes = pod["volumes"]
+    daemon = by_name(pod["containers"], "convergenced")
+    cfg = fleet_config()
+    cm_volume = mounts(daemon, volumes)[str(CONFIG_PATH.parent)]
+    cm_items = {i["path"]: i["key"] for i in cm_volume["configMap"]["items"]}
+    assert cm_items[CONFIG_PATH.name] == "convergenced.toml", "the image's entrypoint reads it"
+    data = configmap("convergenced-config")
+
+    def from_configmap(path: str) -> str:
+        at, volume = mount_of(path, daemon, volumes)
+        assert volume is cm_volume, f"{path} is not from the ConfigMap"
+        return data[cm_items[str(PurePosixPath(path).relative_to(at))]]
+
+    # Files the daemon reads, from the ConfigMap: the deny list (and a CRL or contacts
+    # file, when the configuration names one).
+    revocation, discovery = cfg["revocation"], cfg["discovery"]
+    assert from_configmap(revocation["deny_file"]) == data["deny.txt"]
+    for optional in (revocation.get("crl"), discovery.get("file")):
+        if optional:
+            from_configmap(optional)
+
+    # Directories it writes: on the node, never a ConfigMap or Secret.
+    for path in (cfg["state_dir"], cfg["socket_path"], cfg["identity"]):
+        _, volume = mount_of(path, daemon, volumes)
+        assert "hostPath" in volume, path
+    assert cfg["state_dir"] == str(STATE_DIR)
+    assert cfg["socket_path"] == str(config.DEFAULT_SOCKET), "training pods use the default"
+    # The identity key survives the pod, apart from the state directory.
+    identity_at, identity = mount_of(cfg["identity"], daemon, volumes)
+    assert identity_at != str(STATE_DIR) and identity["hostPath"]["path"] == identity_at
+    assert not PurePosixPath(cfg["identity"]).is_relative_to(cfg["state_dir"])
+
+    # The TLS files: in memory, written by the node-cert sidecar, read-only here.
+    sidecar = by_name(pod["initContainers"], "node-cert")
+    dest = {e["name"]: e.get("value") for e in sidecar["env"]}["DEST"]
+    tls_at, tls = mount_of(dest, sidecar, volumes)
+    assert tls_at == dest and tls["emptyDir"]["medium"] == "Memory", "keys stay off the disk"
+    script = sync_script()
+    for key in ("cert", "key", "ca"):
+        path = PurePosixPath(cfg["tls"][key])
+        assert mount_of(str(path), daemon, volumes) == (tls_at, tls), key
+        assert path.parent == PurePosixPath(dest, script["CURRENT"]), key
+        assert path.name in script["NAMES"], key
+    assert PurePosixPath(cfg["tls"]["key"]).name == script["PRIVATE"]
+    tls_mount = by_name(daemon["volumeMounts"], tls["name"])
+    assert tls_mount.get("readOnly") is True
+
+    assert cfg["listen"] == f"0.0.0.0:{PEER_PORT}"
+    assert cfg["metrics_listen"] == f"0.0.0.0:{METRICS_PORT}", "probes come from outside"
+    fs_group = pod["securityContext"]["fsGroup"]
+    assert {fs_group, IMAGE_UID} & set(cfg["local"]["allowed_gids"])
+
+
+def test_daemonset_config_serves_the_whole_fleet() -> None:
+    cfg = fleet_config()
+    # Nothing names a node: no node id, no peer list, no list of keys.
+    assert "node_id" not in cfg and "advertise" not in cfg
+    assert "peers" not in cfg and "trust" not in cfg
+    assert cfg["trust_mode"] == "ca"
+    assert cfg.get("insecure", False) is False and cfg["tls"].keys() == {"cert", "key", "ca"}
+    assert cfg["revocation"]["recheck_s"] > 0
+    # Peers from the headless Service's DNS name, fully qualified (whatever the pod's
+    # search list).
+    service = k8s_object("Service", K8S / "daemonset.yaml")
+    meta = service["metadata"]
+    assert cfg["discovery"]["dns"] == f"{meta['name']}.{meta['namespace']}.svc.cluster.local"
+    assert cfg["discovery"].get("dns_port", PEER_PORT) == PEER_PORT
+    assert "seeds" not in cfg["discovery"], "a seed list would name nodes"
+
+
+def test_daemonset_service_is_headless() -> None:
+    template, pod = daemonset_pod()
+    service = k8s_object("Service", K8S / "daemonset.yaml")
+    spec = service["spec"]
+    assert spec["clusterIP"] == "None"
+    # Peers must find each other before they are ready (readiness waits on them).
+    assert spec["publishNotReadyAddresses"] is True
+    assert spec["selector"].items() <= template["metadata"]["labels"].items()
+    daemon = by_name(pod["containers"], "convergenced")
+    (port,) = spec["ports"]
+    assert port["name"] == "peer" and port["port"] == PEER_PORT
+    assert port_number(daemon, port["targetPort"]) == PEER_PORT
+    assert service["metadata"]["namespace"] == k8s_object("DaemonSet")["metadata"]["namespace"]
+
+
+def test_daemonset_certificate_sidecar() -> None:
+    """The node-cert sidecar: runs the ConfigMap's script for its node, with the only
+    Kubernetes token in the pod, and holds the daemon back until the key is there."""
+    _, pod = daemonset_pod()
+    volumes = pod["volumes"]
+    sidecar = by_name(pod["initContainers"], "node-cert")
+    daemon = by_name(pod["containers"], "convergenced")
+    assert sidecar["restartPolicy"] == "Always", "a native sidecar, kept running"
+    assert sidecar["image"] == daemon["image"]
+    sc = {**pod["securityContext"], **sidecar["securityContext"]}
+    assert sc["runAsNonRoot"] is True and sc["readOnlyRootFilesystem"] is True
+    assert sc["runAsUser"] == IMAGE_UID, "the key it writes must belong to the daemon's user"
+
+    argv = sidecar["command"]
+    assert argv[0] == "python3"
+    at, volume = mount_of(argv[1], sidecar, volumes)
+    items = {i["path"]: i["key"] for i in volume["configMap"]["items"]}
+    assert volume["configMap"]["name"] == "convergenced-config"
+    assert items[str(PurePosixPath(argv[1]).relative_to(at))] == "sync-node-cert.py"
+    assert field_ref(sidecar, "NODE_NAME") == "spec.nodeName"
+
+    # Its token, the API's CA and the namespace, where the script looks for them.
+    token_dir = "/var/run/secrets/convergenced"
+    assert f'"TOKEN_DIR", "{token_dir}"' in configmap("convergenced-config")["sync-node-cert.py"]
+    api_mount = by_name(sidecar["volumeMounts"], mounts(sidecar, volumes)[token_dir]["name"])
+    assert api_mount["readOnly"] is True
+    sources = mounts(sidecar, volumes)[token_dir]["projected"]["sources"]
+    paths = {s["serviceAccountToken"]["path"] for s in sources if "serviceAccountToken" in s}
+    for s in sources:
+        for kind in ("configMap", "downwardAPI"):
+            paths |= {i["path"] for i in s.get(kind, {}).get("items", [])}
+    assert paths == {"token", "ca.crt", "namespace"}
+
+    # The daemon starts once the key the configuration names is in place.
+    probe = sidecar["startupProbe"]["exec"]["command"]
+    assert probe[:2] == ["test", "-s"] and probe[2] == fleet_config()["tls"]["key"]
+
+    # The Role it runs under: bound to the pod's account (node-certificates.sh writes it).
+    binding = k8s_object("RoleBinding", K8S / "daemonset.yaml")
+    assert binding["roleRef"]["name"] == "convergenced-node-certs"
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": pod["serviceAccountName"], "namespace": "convergenced"}
+    ]
+
+
+# -- certificates ------------------------------------------------------------------
+
+
+NODE_CERTIFICATES = K8S / "node-certificates.sh"
+
+
+def node_certificates(*nodes: str) -> list[dict[str, Any]]:
+    """What node-certificates.sh prints for ``nodes`` (no kubectl needed with names)."""
+    proc = run(["sh", str(NODE_CERTIFICATES), *nodes])
+    assert proc.returncode == 0, proc.stderr
+    return [d for d in yaml.safe_load_all(proc.stdout) if d is not None]
+
+
+def test_cert_manager_makes_the_cluster_ca() -> None:
+    path = K8S / "cert-manager.yaml"
+    objects = [d for p, d in k8s_objects() if p == path]
+    issuers = {d["metadata"]["name"]: d for d in objects if d["kind"] == "Issuer"}
+    (ca_cert,) = [d for d in objects if d["kind"] == "Certificate"]
+    assert all(d["metadata"]["namespace"] == "convergenced" for d in objects)
+    # A self-signed Issuer makes the CA certificate; a CA Issuer signs with it.
+    spec = ca_cert["spec"]
+    assert spec["isCA"] is True
+    assert issuers[spec["issuerRef"]["name"]]["spec"] == {"selfSigned": {}}
+    (ca_issuer,) = [i for i in issuers.values() if "ca" in i["spec"]]
+    assert ca_issuer["spec"]["ca"]["secretName"] == spec["secretName"]
+    # A renewal keeps the CA's key: the node certificates it signed stay valid.
+    assert spec["privateKey"]["rotationPolicy"] == "Never"
+
+
+def test_node_certificates_name_their_node() -> None:
+    nodes = ["gpu-node-01", "gpu-node-02", "n" * 70]
+    objects = node_certificates(*nodes)
+    certificates = [d for d in objects if d["kind"] == "Certificate"]
+    (role,) = [d for d in objects if d["kind"] == "Role"]
+    ca_issuer = next(
+        d
+        for p, d in k8s_objects()
+        if d["kind"] == "Issuer" and "ca" in d["spec"] and p.name == "cert-manager.yaml"
+    )
+    script = sync_script()
+    assert len(certificates) == len(nodes)
+    for node, cert in zip(nodes, certificates, strict=True):
+        spec = cert["spec"]
+        # What the daemon checks: the node id URI, both TLS usages, the cluster CA.
+        assert spec["uris"] == [f"convergenced://node/{node}"]
+        assert {"server auth", "client auth", "digital signature"} <= set(spec["usages"])
+        assert spec["issuerRef"]["name"] == ca_issuer["metadata"]["name"]
+        assert spec["issuerRef"]["kind"] == "Issuer"
+        assert cert["metadata"]["namespace"] == ca_issuer["metadata"]["namespace"]
+        # Where the sidecar looks for it.
+        assert spec["secretName"] == script["SECRET_PREFIX"] + node
+        # X.509 allows a common name of 64 characters at most.
+        assert spec.get("commonName") == (node if len(node) <= 64 else None)
+        assert spec["privateKey"]["rotationPolicy"] == "Always"
+    # The pods may read the node Secrets, by name, and nothing else (not the CA's key).
+    (rule,) = role["rules"]
+    assert rule == {
+        "apiGroups": [""],
+        "resources": ["secrets"],
+        "verbs": ["get"],
+        "resourceNames": [c["spec"]["secretName"] for c in certificates],
+    }
+    assert ca_issuer["spec"]["ca"]["secretName"] not in rule["resourceNames"]
+    binding = k8s_object("RoleBinding", K8S / "daemonset.yaml")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["metadata"]["namespace"] == role["metadata"]["namespace"]
+    assert os.access(NODE_CERTIFICATES, os.X_OK)
+
+    # The example in docs/kubernetes.md is what the script prints.
+    text = (REPO / "docs" / "kubernetes.md").read_text(encoding="utf-8")
+    (shown,) = [
+        d
+        for body in re.findall(r"^```yaml\n(.*?)^```$", text, flags=re.M | re.S)
+        for d in yaml.safe_load_all(body)
+        if isinstance(d, dict) and d.get("kind") == "Certificate"
+    ]
+    printed = node_certificates(shown["spec"]["commonName"])[0]
+    assert shown["metadata"] == {k: printed["metadata"][k] for k in shown["metadata"]}
+    assert shown["spec"] == {k: printed["spec"][k] for k in shown["spec"]}
+
+
+# -- the certificate sidecar's script ------------------------------------------------
+
+
+@functools.cache
+def sync_script() -> dict[str, Any]:
+    """The namespace of the ConfigMap's sync-node-cert.py, loaded (not run)."""
+    namespace: dict[str, Any] = {"__name__": "sync_node_cert"}
+    source = configmap("convergenced-config")["sync-node-cert.py"]
+    exec(compile(source, "sync-node-cert.py", "exec"), namespace)
+    return namespace
+
+
+class _FakeApi:
+    """A Kubernetes API that serves one namespace's Secrets, over HTTP on loopback."""
+
+    def __init__(self) -> None:
+        self.secrets: dict[str, dict[str, bytes]] = {}
+        self.seen: list[tuple[str, str | None]] = []
+        api = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                api.seen.append((self.path, self.headers.get("Authorization")))
+                prefix = "/api/v1/namespaces/convergenced/secrets/"
+                name = self.path.removeprefix(prefix)
+                if not self.path.startswith(prefix) or name not in api.secrets:
+                    self.send_response(404)
+                    self.end_headers()
+                    return
+                data = {k: base64.b64encode(v).decode() for k, v in api.secrets[name].items()}
+                body = json.dumps({"kind": "Secret", "data": data}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fake_api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[_FakeApi]:
+    api = _FakeApi()
+    tokens = tmp_path / "tokens"
+    tokens.mkdir()
+    (tokens / "token").write_text("t0ken\n")
+    (tokens / "namespace").write_text("convergenced")
+    monkeypatch.setenv("KUBERNETES_API", api.url)
+    monkeypatch.setenv("TOKEN_DIR", str(tokens))
+    monkeypatch.setenv("NODE_NAME", "gpu-node-01")
+    monkeypatch.setenv("DEST", str(tmp_path / "tls"))
+    (tmp_path / "tls").mkdir()
+    yield api
+    api.close()
+
+
+def issued(tmp_path: Path, node: str, name: str) -> dict[str, bytes]:
+    """tls.crt, tls.key and ca.crt of a node certificate from a CA of our own."""
+    ca = tmp_path / name
+    pki.init_ca(ca)
+    files = pki.issue(ca, node)
+    return {
+        "tls.crt": files.cert.read_bytes(),
+        "tls.key": files.key.read_bytes(),
+        "ca.crt": (ca / "ca.crt").read_bytes(),
     }
 
-    cfgs = check_config_files(
-        configmap("convergenced-config"),
-        daemon=daemon,
-        installer=installer,
-        volumes=volumes,
-        groups={pod["securityContext"]["fsGroup"], IMAGE_UID},
+
+def test_sync_script_installs_the_node_certificate(tmp_path: Path, fake_api: _FakeApi) -> None:
+    main = sync_script()["main"]
+    dest = tmp_path / "tls"
+    current = dest / "current"
+    # No Secret yet (the Certificate is not issued): nothing in place, exit 1.
+    assert main(["sync", "--once"]) == 1 and not current.exists()
+
+    first = issued(tmp_path, "gpu-node-01", "ca1")
+    fake_api.secrets["convergenced-node-gpu-node-01"] = first
+    assert main(["sync", "--once"]) == 0
+    assert fake_api.seen[-1] == (
+        "/api/v1/namespaces/convergenced/secrets/convergenced-node-gpu-node-01",
+        "Bearer t0ken",
     )
-    for cfg in cfgs:
-        assert cfg.socket_path == config.DEFAULT_SOCKET, "training pods use the default path"
+    assert {p.name: p.read_bytes() for p in current.iterdir()} == first
+    key = current / "tls.key"
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600 and key.stat().st_uid == os.getuid()
+    # The daemon's own loader takes what the sidecar wrote, the key's mode included.
+    tls.server_context(current / "tls.crt", key, current / "ca.crt")
+    version = os.readlink(current)
+
+    # Unchanged: nothing rewritten.
+    assert main(["sync", "--once"]) == 0 and os.readlink(current) == version
+
+    # Renewed: a new directory swapped in at once; the one before stays one round
+    # (the daemon may be reading it), older ones go.
+    def versions() -> set[str]:
+        return {p.name for p in dest.iterdir() if p.is_dir() and not p.is_symlink()}
+
+    second = issued(tmp_path, "gpu-node-01", "ca2")
+    fake_api.secrets["convergenced-node-gpu-node-01"] = second
+    assert main(["sync", "--once"]) == 0
+    renewed = os.readlink(current)
+    assert renewed != version and versions() == {version, renewed}
+    assert (current / "tls.key").read_bytes() == second["tls.key"]
+    third = issued(tmp_path, "gpu-node-01", "ca3")
+    fake_api.secrets["convergenced-node-gpu-node-01"] = third
+    assert main(["sync", "--once"]) == 0
+    assert versions() == {renewed, os.readlink(current)}
+
+    # A Secret without its certificate yet (being issued): the files in place stay.
+    fake_api.secrets["convergenced-node-gpu-node-01"] = {"tls.key": b"k"}
+    assert main(["sync", "--once"]) == 1
+    assert (current / "tls.key").read_bytes() == third["tls.key"]
+
+
+def test_sync_script_copies_a_csi_volume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The csi-driver variant (docs/kubernetes.md): the same files from a directory,
+    which the driver writes 0440, a mode the daemon refuses for a key."""
+    source, dest = tmp_path / "csi", tmp_path / "tls"
+    source.mkdir()
+    dest.mkdir()
+    for name, data in issued(tmp_path, "convergenced-x7k2p", "ca").items():
+        (source / name).write_bytes(data)
+        (source / name).chmod(0o440)
+    monkeypatch.setenv("SOURCE_DIR", str(source))
+    monkeypatch.setenv("DEST", str(dest))
+    assert sync_script()["main"](["sync", "--once"]) == 0
+    key = dest / "current" / "tls.key"
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert key.read_bytes() == (source / "tls.key").read_bytes()
+
+
+# -- the fleet configurations --------------------------------------------------------
+
+
+FLEET_EXAMPLE = DEPLOY / "config" / "fleet.toml"
+
+
+def test_fleet_example_serves_every_host() -> None:
+    cfg = tomllib.loads(FLEET_EXAMPLE.read_text(encoding="utf-8"))
+    assert "node_id" not in cfg and "peers" not in cfg and "trust" not in cfg
+    assert cfg["trust_mode"] == "ca"
+    assert cfg["discovery"]["seeds"] and cfg["revocation"]["deny_file"].startswith("/")
+    # Writable under the unit's sandbox: the daemon creates the key there.
+    unit = parse_unit(UNIT.read_text(encoding="utf-8"))["Service"]
+    state_dirs = {Path("/var/lib", d) for d in unit["StateDirectory"][-1].split()}
+    assert Path(cfg["identity"]).parent in state_dirs
+    assert Path(cfg["state_dir"]) in state_dirs and Path(cfg["identity"]).parent != STATE_DIR
+    for key in ("cert", "key", "ca"):
+        assert Path(cfg["tls"][key]).is_relative_to(CONFIG_PATH.parent), "ReadOnlyPaths"
+
+
+def _parser_knows_fleet_keys() -> bool:
+    try:
+        config.parse({"node_id": "n", "trust_mode": "list", "discovery": {}}, "probe")
+    except ConfigError as exc:
+        return "unknown key" not in str(exc)
+    return True
+
+
+@pytest.mark.parametrize("which", ["configmap", "fleet.toml"])
+def test_fleet_configs_pass_the_parser(which: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not _parser_knows_fleet_keys():
+        pytest.skip("this daemon's parser does not know trust_mode and [discovery] yet")
+    monkeypatch.setenv("CONVERGENCED_NODE_ID", "gpu-node-01")
+    monkeypatch.setenv("CONVERGENCED_ADVERTISE", f"10.0.0.1:{PEER_PORT}")
+    if which == "configmap":
+        text = configmap("convergenced-config")["convergenced.toml"]
+    else:
+        text = FLEET_EXAMPLE.read_text(encoding="utf-8")
+    cfg = config.parse(tomllib.loads(text), which)
+    assert cfg.node_id == "gpu-node-01" and cfg.peers == () and cfg.trust == ()
+    assert cfg.listen_port == PEER_PORT and cfg.tls is not None
+
+
+# -- the deployment pages ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page", ["kubernetes.md", "bare-metal.md"])
+def test_deployment_pages_examples_parse(page: str) -> None:
+    text = (REPO / "docs" / page).read_text(encoding="utf-8")
+    blocks = re.findall(r"^```(\w+)\n(.*?)^```$", text, flags=re.M | re.S)
+    assert blocks
+    for lang, body in blocks:
+        if lang == "yaml":
+            assert [d for d in yaml.safe_load_all(body) if d is not None], body
+        elif lang == "toml":
+            tomllib.loads(body)
+    # Every file of the repository a page links to exists.
+    for target in re.findall(r"\]\((\.\./[^)#]+)", text):
+        assert (REPO / "docs" / target).resolve().exists(), target
 
 
 def test_sidecar_example_agrees_with_the_daemon() -> None:
