@@ -60,6 +60,7 @@ bench: $(DEV_STAMP)
 	$(BIN)/python benchmarks/bench_daemon.py --only convergence --nodes 8 16 --out $(BENCH_OUT)
 	$(BIN)/python benchmarks/bench_frames.py --out $(BENCH_OUT)
 	$(BIN)/python benchmarks/bench_rollout.py --out $(BENCH_OUT)
+	$(BIN)/python benchmarks/bench_fleet.py --out $(BENCH_OUT)
 	$(BIN)/python benchmarks/report.py $(BENCH_OUT) BENCHMARKS.md
 
 bench-core: $(DEV_STAMP)

@@ -37,8 +37,7 @@ idle_ticks = 4
 dead_ticks = 40
 
 [discovery]
-srv = "{srv}"
-nameservers = ["{nameserver}"]
+{discovery}
 refresh_s = 1
 
 [revocation]
@@ -65,7 +64,10 @@ ca = "{ca}"
 class FleetCluster:
     """Daemons ``fleet-NN`` on loopback, discovered through DNS SRV records."""
 
-    def __init__(self) -> None:
+    def __init__(self, discovery: str | None = None) -> None:
+        """``discovery``: the ``[discovery]`` lines (default: the SRV records of the
+        test DNS server)."""
+        self.discovery = discovery
         self.dir = Path(tempfile.mkdtemp(prefix="cvf-", dir="/tmp"))
         self.ca_dir = self.dir / "ca"
         pki.init_ca(self.ca_dir)
@@ -79,22 +81,29 @@ class FleetCluster:
 
     def shared_config(self) -> str:
         """The configuration every node runs."""
-        return FLEET_CONFIG.format(
-            srv=SRV_NAME, nameserver=self.dns.nameserver, deny_file=self.deny_file
+        discovery = self.discovery or (
+            f'srv = "{SRV_NAME}"\nnameservers = ["{self.dns.nameserver}"]'
         )
+        return FLEET_CONFIG.format(discovery=discovery, deny_file=self.deny_file)
 
     def add(self, node: str, port: int | None = None) -> None:
         """Give ``node`` a certificate, a directory and a port, and list it in DNS."""
         home = self.dir / node
         (home / "state").mkdir(parents=True)
-        files = pki.issue(self.ca_dir, node, hosts=["127.0.0.1"], out_dir=home)
-        files.cert.rename(home / "node.crt")
-        files.key.rename(home / "node.key")
+        self.certify(node)
         self.ports[node] = port or free_base_port(1)
         text = HOST_PATHS.format(port=self.ports[node], dir=home, ca=self.ca_dir / pki.CA_CERT)
         top, tls = text.split("\n\n", 1)  # top-level keys go before any table
         (home / "convergenced.toml").write_text(f"{top}\n{self.shared_config()}\n{tls}")
         self._publish_dns()
+
+    def certify(self, node: str) -> None:
+        """Issue ``node`` a new certificate and key, renamed over the old ones (as
+        cert-manager's renewal does)."""
+        home = self.dir / node
+        files = pki.issue(self.ca_dir, node, hosts=["127.0.0.1"], out_dir=home, overwrite=True)
+        files.key.rename(home / "node.key")
+        files.cert.rename(home / "node.crt")
 
     def remove(self, node: str) -> None:
         """Stop ``node`` and take it out of DNS (a host gone for good)."""

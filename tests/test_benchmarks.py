@@ -107,6 +107,13 @@ def test_rollout_smoke(tmp_path: Path) -> None:
     assert "epochs lost/drain" in _fragment(tmp_path, "rollout", "bench_rollout.py")
 
 
+def test_fleet_smoke(tmp_path: Path) -> None:
+    data = _run("bench_fleet.py", out=tmp_path)
+    assert data["nodes"] == 4 and data["refused"] == 0
+    assert set(data["phases"]) == {"links up", "agreed", "spares linked", "agreed again"}
+    assert "spares linked" in _fragment(tmp_path, "fleet", "bench_fleet.py")
+
+
 def test_report_splices_fragments_between_markers_and_nothing_else() -> None:
     doc = (
         "# Title\nprose stays\n<!-- bench:etcd -->\nold table\n<!-- /bench:etcd -->\n"
@@ -124,7 +131,7 @@ def test_benchmarks_md_has_a_marker_for_every_fragment_make_bench_writes() -> No
     makefile = (REPO / "Makefile").read_text()
     doc = (REPO / "BENCHMARKS.md").read_text()
     for name in ("etcd", "training", "training-drift", "localapi", "scale", "footprint", "frames",
-                 "rollout"):  # fmt: skip
+                 "rollout", "fleet"):  # fmt: skip
         assert f"<!-- bench:{name} -->" in doc and f"<!-- /bench:{name} -->" in doc, name
     for script in (
         "bench_etcd",
@@ -134,5 +141,6 @@ def test_benchmarks_md_has_a_marker_for_every_fragment_make_bench_writes() -> No
         "bench_footprint",
         "bench_frames",
         "bench_rollout",
+        "bench_fleet",
     ):
         assert f"benchmarks/{script}.py" in makefile, script

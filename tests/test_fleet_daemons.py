@@ -89,3 +89,52 @@ def test_a_fleet_from_one_configuration_survives_replaced_hosts() -> None:
             "fleet-13 cut off",
         )
         assert "credential no longer valid" in fleet.log("fleet-01")
+
+
+def test_a_seed_list_is_enough_and_certificates_rotate_without_a_restart() -> None:
+    # Only fleet-01 is listed; the others learn each other from the credentials that
+    # the links pass on (each carries its node's advertised address).
+    with FleetCluster() as fleet:
+        nodes = names(1, 2, 3, 4)
+        for node in nodes:
+            fleet.add(node)
+        fleet.discovery = f'seeds = ["127.0.0.1:{fleet.ports["fleet-01"]}"]'
+        for node in nodes:  # rewrite every file with the seed list
+            home = fleet.dir / node
+            text = (home / "convergenced.toml").read_text()
+            head, _, rest = text.partition("[discovery]\n")
+            rest = rest.split("refresh_s", 1)[1]
+            (home / "convergenced.toml").write_text(
+                f"{head}[discovery]\n{fleet.discovery}\nrefresh_s{rest}"
+            )
+            fleet.start(node)
+        wait_for(
+            lambda: all(fleet.linked(n) == set(nodes) - {n} for n in nodes),
+            60,
+            "a full mesh from one seed",
+        )
+        agree(fleet, "job", nodes, 3)
+
+        def serial_seen(at: str, of: str) -> str | None:
+            status = fleet.status(at)
+            cred = status["fleet"]["credentials"].get(of) if status else None
+            return cred["certificate_serial"] if cred else None
+
+        before = serial_seen("fleet-04", "fleet-02")
+        assert before is not None
+        fleet.certify("fleet-02")  # renewed on disk, as cert-manager does
+        wait_for(
+            lambda: "certificates reloaded" in fleet.log("fleet-02"),
+            30,
+            "fleet-02 loads its new certificate",
+        )
+        wait_for(
+            lambda: serial_seen("fleet-04", "fleet-02") not in (None, before),
+            30,
+            "fleet-04 holds fleet-02's new credential",
+        )
+        # New connections use the new certificate: restart a peer, it links again.
+        fleet.stop("fleet-03")
+        fleet.start("fleet-03")
+        wait_for(lambda: "fleet-02" in fleet.linked("fleet-03"), 60, "fleet-03 back")
+        agree(fleet, "job2", nodes, 4)

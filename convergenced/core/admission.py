@@ -240,8 +240,9 @@ class Admission:
                 "unknown_member",
                 f"stream {fact.spec.name!r}: {', '.join(unknown[:8])}"
                 f"{' and others' if len(unknown) > 8 else ''} not in this cluster (neither "
-                "a configured peer nor in the trust list); declare with "
-                "allow_unknown_members to name a node not configured yet",
+                "a configured peer, nor in the trust list, nor holding a certificate of "
+                "the cluster CA this node heard of); declare with allow_unknown_members "
+                "to name a node not known yet",
             )
 
     def _named_domain(self, fact: Commit | Retract | Retire) -> None:

@@ -303,6 +303,7 @@ class Daemon:
             r.fleet.on_members = self.apply_members
             r.fleet.on_revoked = self._close_links_of
             r.fleet.linked = lambda: frozenset(r.node.neighbours)
+            r.fleet.on_credentials = self._admit_credentialed
             nursery.start_soon(r.fleet.run, nursery)
             self.apply_members(r.fleet.effective())
             log.info("ready", peer_port=r.peer_port, socket=str(cfg.socket_path),
@@ -448,7 +449,12 @@ class Daemon:
         r.node.plan_links(planned_links(effective, r.fleet))
         r.hub.view_changed()  # what waited for that peer looks again
         r.telemetry.fleet_members.set(len(effective.peers))
-        r.peers.start_dialers(self._nursery, effective)
+        r.peers.start_dialers(self._nursery, effective, frozenset(r.fleet.bootstrap))
+
+    def _admit_credentialed(self) -> None:
+        r = self.running
+        assert r is not None
+        r.operations.admission.cluster = cluster_members(self.config, r.fleet)
 
     def _close_links_of(self, node: str) -> None:
         r = self.running

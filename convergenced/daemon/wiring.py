@@ -141,6 +141,7 @@ class Running:
                 for p in self.fleet.members()
             ],
             "links": links,
+            "fleet": self.fleet.describe(),
             "clients": len(self.api.sessions),
             "streams": self.node.streams(),
             "stored_bytes": {

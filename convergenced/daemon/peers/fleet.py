@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import structlog
 import trio
@@ -32,6 +33,7 @@ from cryptography import x509
 from convergenced.core.credentials import Credential, CredentialBook
 from convergenced.daemon.config import Config, Peer
 from convergenced.daemon.fleet_config import load_revocations
+from convergenced.daemon.peers.manager import dial_plan
 from convergenced.daemon.peers.security import PeerSecurity
 from convergenced.daemon.telemetry import Telemetry
 from convergenced.discovery.contacts import Contact, parse_address
@@ -46,6 +48,7 @@ from convergenced.security.node_credentials import (
 
 log = structlog.get_logger("convergenced.daemon")
 
+BOOTSTRAP_LINKS = 2
 GRACE_REFRESHES = 3
 """A discovered member missing from this many lookups in a row is gone."""
 
@@ -72,12 +75,18 @@ class Fleet:
         self.book = CredentialBook()
         self.discovery = Discovery(cfg.discovery) if cfg.discovery is not None else None
         self._members: dict[str, _Member] = {}
+        self.bootstrap: set[str] = set()
+        """Members this node dials although the overlay says they dial it: chosen
+        while it holds no link at all (they may not know of it yet), and kept."""
         self._contacts: frozenset[Contact] = frozenset()
         self._probed: dict[tuple[str, int], str] = {}
         self._changed = trio.Event()
         self._stamps: dict[Path, tuple[float, int] | None] = {}
         self.on_members: Callable[[Config], None] | None = None
         """Called with the effective configuration when the members changed."""
+        self.on_credentials: Callable[[], None] | None = None
+        """Called as soon as the set of nodes with a valid credential changed: a
+        declaration may name them at once (`on_members` follows within a second)."""
         self.linked: Callable[[], frozenset[str]] = frozenset
         """The peers with an established link now (the daemon sets it)."""
         self.on_revoked: Callable[[str], None] | None = None
@@ -128,6 +137,8 @@ class Fleet:
             return
         info = self.judge.info(cred.blob) if cred is not None and self.judge else None
         self.security.set_credential_key(node, info.record_key if info else None)
+        if self.on_credentials is not None:
+            self.on_credentials()
         if info is None:
             self._members.pop(node, None)
         elif info.address:
@@ -227,9 +238,26 @@ class Fleet:
                 if c.node_id is None and key not in known and key not in probing and key != own:
                     probing.add(key)
                     nursery.start_soon(self._probe_once, c, probing)
+            effective = self.effective()
+            self._choose_bootstrap(effective)
             if self.on_members is not None:
-                self.on_members(self.effective())
+                self.on_members(effective)
             await trio.sleep(1.0)
+
+    def _choose_bootstrap(self, effective: Config) -> None:
+        """A node learned from a seed sorts after it, so by the overlay the seed would
+        dial it, and the seed has never heard of it: while it holds no link, the node
+        dials up to `BOOTSTRAP_LINKS` members itself. Once linked, its credential
+        spreads and the overlay takes over; the bootstrap links stay (no flapping)."""
+        ids = {p.node_id for p in effective.peers}
+        self.bootstrap &= ids
+        if self.linked() or len(self.bootstrap) >= BOOTSTRAP_LINKS:
+            return
+        planned = {p.node_id for p in dial_plan(effective)}
+        for node in sorted(ids - planned - self.bootstrap):
+            self.bootstrap.add(node)
+            if len(self.bootstrap) >= BOOTSTRAP_LINKS:
+                break
 
     async def _probe_once(self, contact: Contact, probing: set[tuple[str, int]]) -> None:
         try:
@@ -253,28 +281,28 @@ class Fleet:
         judge = self.judge
         if judge is None:
             return
-        changed = [p for p in self._watched() if force or _stamp(p) != self._stamps.get(p)]
-        for path in changed:
-            self._stamps[path] = _stamp(path)
+        # A file's new stamp is kept only once it was read successfully, so a half-done
+        # rotation (a new key beside the old certificate) is tried again next time.
+        stamps = {p: _stamp(p) for p in self._watched()}
+        changed = {p for p, st in stamps.items() if force or st != self._stamps.get(p)}
         cfg = self.config
-        if (
-            any(p in changed for p in (cfg.fleet.revocation.deny_file, cfg.fleet.revocation.crl))
-            or force
-        ):
+        rev = [p for p in (cfg.fleet.revocation.deny_file, cfg.fleet.revocation.crl) if p]
+        if force or changed & set(rev):
             try:
                 judge.revocations = load_revocations(cfg.fleet.revocation)
+                self._stamps.update({p: stamps[p] for p in rev})
                 log.info("revocations loaded", entries=len(judge.revocations))
             except ValueError as exc:
                 log.error("revocations not reloaded; keeping the previous ones", error=str(exc))
-        if cfg.tls is not None and any(
-            p in changed for p in (cfg.tls.cert, cfg.tls.key, cfg.tls.ca)
-        ):
+        tls = [cfg.tls.cert, cfg.tls.key, cfg.tls.ca] if cfg.tls is not None else []
+        if changed & set(tls):
             try:
                 self.security.transport.reload(cfg)
-                judge.ca_certs = tuple(pki.load_ca_certificates(cfg.tls.ca))
+                judge.ca_certs = tuple(pki.load_ca_certificates(tls[2]))
                 own = self.book.get(cfg.node_id)
-                self.publish_own(own.rank[1] if own else 0)
-                log.info("certificates reloaded", cert=str(cfg.tls.cert))
+                self.publish_own(own.rank[1] + 1 if own else 0)  # ranks above the old
+                self._stamps.update({p: stamps[p] for p in tls})
+                log.info("certificates reloaded", cert=str(tls[0]))
             except (ConvergencedError, ValueError, OSError) as exc:
                 log.error("certificates not reloaded; keeping the previous ones", error=str(exc))
         for node in self.book.nodes():
@@ -290,6 +318,28 @@ class Fleet:
                 judge.forget(cred.blob)
                 if problem[0] is Refusal.REVOKED and self.on_revoked is not None:
                     self.on_revoked(node)
+
+    def describe(self) -> dict[str, Any]:
+        """For ``status``: the trust mode, the members, and the credentials held."""
+        judge = self.judge
+        creds: dict[str, Any] = {}
+        for node in self.book.nodes():
+            cred = self.book.get(node)
+            info = judge.info(cred.blob) if judge is not None and cred is not None else None
+            if cred is not None and info is not None:
+                creds[node] = {
+                    "address": info.address,
+                    "serial": info.serial,
+                    "certificate_serial": f"{info.certificate.serial_number:#x}",
+                    "not_after": info.not_after.isoformat(),
+                }
+        return {
+            "trust_mode": self.config.fleet.trust_mode,
+            "members": len(self.members()),
+            "discovered": len(self._contacts),
+            "revocations": len(judge.revocations) if judge is not None else 0,
+            "credentials": creds,
+        }
 
     def _watched(self) -> list[Path]:
         cfg = self.config

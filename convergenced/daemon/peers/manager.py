@@ -115,12 +115,16 @@ class PeerManager:
         )
         await session.run()  # which logs the link going down
 
-    def start_dialers(self, nursery: trio.Nursery, cfg: Config) -> None:
-        """Dial the peers ``cfg``'s plan names; stop dialling (and close the links
-        of) those it no longer names."""
+    def start_dialers(
+        self, nursery: trio.Nursery, cfg: Config, extra: frozenset[str] = frozenset()
+    ) -> None:
+        """Dial the peers ``cfg``'s plan names, and the peers in ``extra`` (a learned
+        fleet's bootstrap links, `fleet`); stop dialling (and close the links of)
+        those no longer named."""
         self.config = cfg
         self.overlay = overlay_peers(cfg)
         wanted = {p.node_id: p for p in dial_plan(cfg)}
+        wanted.update({p.node_id: p for p in cfg.peers if p.node_id in extra})
         for node_id in list(self.dialers):
             if node_id not in wanted:
                 self.dialers.pop(node_id).cancel()
