@@ -45,13 +45,14 @@ def cpu_seconds(fleet: FleetCluster) -> float:
 
 
 def whole(fleet: FleetCluster, nodes: list[str]) -> bool:
-    """Every node knows every other, and is linked to each of its overlay peers."""
+    """Every node knows every other (holds its credential: a declaration may name it),
+    and is linked to each of its overlay peers."""
     for node in nodes:
         status = fleet.status(node)
         if status is None:
             return False
         peers = {p["id"]: p for p in status["peers"]}
-        if not set(nodes) - {node} <= set(peers):
+        if not set(nodes) - {node} <= set(peers) <= set(status["fleet"]["credentials"]):
             return False
         if any(p["overlay_link"] and not p["connected"] for p in peers.values()
                if p["id"] in nodes):  # fmt: skip

@@ -186,17 +186,21 @@ class Fleet:
         self._changed.set()
 
     def _expire(self) -> None:
-        """Forget members discovery stopped showing (after the grace), unless a valid
-        credential still vouches for them."""
+        """Forget members discovery stopped showing, after the grace. DNS, SRV and the
+        file list the whole fleet, so their silence about a member means it left; a
+        seed list does not, so there a member a valid credential vouches for stays."""
         if self.discovery is None:
             return
-        grace = GRACE_REFRESHES * self.discovery.config.refresh_s
+        cfg = self.discovery.config
+        whole_fleet = bool(cfg.dns or cfg.srv or cfg.file)
+        grace = GRACE_REFRESHES * cfg.refresh_s
         now = trio.current_time()
         shown = {(c.host, c.port) for c in self._contacts}
+        linked = self.linked()
         for node, m in list(self._members.items()):
-            if (m.host, m.port) in shown:
+            if (m.host, m.port) in shown or node in linked:
                 m.last_seen = now
-            elif now - m.last_seen > grace and node not in self.book:
+            elif now - m.last_seen > grace and (whole_fleet or node not in self.book):
                 del self._members[node]
                 self._changed.set()
 
