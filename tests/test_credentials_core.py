@@ -183,3 +183,53 @@ def test_credentials_come_before_the_records_of_the_same_message() -> None:
     net.pump()
     assert "record z" in order
     assert order.index("credential z") < order.index("record z")
+
+
+def test_records_wait_for_their_origins_credential() -> None:
+    # More origins than one message carries credentials for: a receiver that checks
+    # each relayed record against its origin's credential must still get them all.
+    net = Net(["a", "b"])
+    held = net.books["b"]
+
+    def verify(record: Record, via: str | None) -> str | None:
+        return None if record.origin == via or record.origin in held else "unknown_origin"
+
+    net.nodes["b"] = NodeCore("b", incarnation=1, verify=verify)
+    origins = [f"o{i:03d}" for i in range(MAX_CREDENTIALS_PER_MESSAGE * 2 + 22)]
+    for o in origins:
+        net.books["a"].put(o, (1, 1), blob(o))
+    net.nodes["a"].receive([Record("s", o, 1, 1, bytes(32), IntervalSet.of(1)) for o in origins])
+    net.link("a", "b")
+    net.pump()
+    assert all(net.nodes["b"].view.get(("s", o)) is not None for o in origins)
+    assert net.nodes["b"].view.digest == net.nodes["a"].view.digest
+
+
+def test_a_refused_credential_comes_again_after_a_resend() -> None:
+    refuse = {"x"}
+
+    def picky(data: bytes, via: str | None) -> tuple[str, Rank] | None:
+        verdict = admit(data, via)
+        return None if verdict is not None and verdict[0] in refuse else verdict
+
+    net = Net(["a", "b"])
+    net.books["b"] = CredentialBook(picky)
+    net.books["b"].put("b", (1, 1), blob("b"))
+    net.books["a"].put("x", (1, 1), blob("x"))
+    x, _ = net.link("a", "b")
+    net.pump()
+    assert "x" not in net.books["b"]  # refused (its clock was wrong, say)
+    refuse.clear()
+    net.books["a"].resend()
+    x.poll()
+    net.pump()
+    assert "x" in net.books["b"]
+
+
+def test_a_node_never_takes_its_own_credential_from_a_peer() -> None:
+    seen: list[Rank] = []
+    book = CredentialBook(admit, own="a", on_own=lambda data, rank: seen.append(rank))
+    book.put("a", (1, 1), blob("a"))
+    assert book.offer([blob("a", (1, 9))], "b") == []
+    assert book.get("a") is not None and book.get("a").rank == (1, 1)  # type: ignore[union-attr]
+    assert seen == [(1, 9)]

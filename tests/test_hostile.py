@@ -1325,7 +1325,7 @@ def peer_frames(draw: st.DrawFn, identity: str) -> bytes:
         spoil = draw(st.sampled_from(["type", "version", "flags", "length", "magic"]))
         header: dict[str, Any] = {
             "type": draw(st.sampled_from([0, 6, 255])) if spoil == "type" else 1,
-            "version": draw(st.sampled_from([0, 1, 3, 255]))
+            "version": draw(st.sampled_from([0, 1, 4, 255]))
             if spoil == "version"
             else wire.PROTOCOL_VERSION,
             "flags": draw(st.sampled_from([1, 0x8000])) if spoil == "flags" else 0,
@@ -1386,7 +1386,7 @@ def handshake_cases(draw: st.DrawFn) -> tuple[str, bytes, bool]:
 HELLO_BODY = hello_frame()[wire.HEADER_SIZE :]
 HANDSHAKE_EXAMPLES = [
     ("node-2", b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"),  # bad_magic
-    ("node-2", frame(1, HELLO_BODY, version=3)),  # unsupported_version
+    ("node-2", frame(1, HELLO_BODY, version=4)),  # unsupported_version
     ("node-2", frame(1, HELLO_BODY, version=1)),  # a downgrade: unsupported_version
     ("node-2", frame(9, HELLO_BODY)),  # unknown_type
     ("node-2", frame(1, HELLO_BODY, flags=1)),  # bad_flags

@@ -56,20 +56,32 @@ class Credential:
 class CredentialBook:
     """The newest admitted credential of every node; see the module docstring."""
 
-    __slots__ = ("_admit", "_blob_node", "_by_node", "on_change", "seq")
+    __slots__ = ("_admit", "_blob_node", "_by_node", "generation", "on_change", "on_own",
+                 "own", "seq")  # fmt: skip
 
     def __init__(
         self,
         admit: Admit | None = None,
         on_change: Callable[[str, Credential | None], None] | None = None,
+        *,
+        own: str | None = None,
+        on_own: Callable[[bytes, Rank], None] | None = None,
     ) -> None:
         """Args:
         admit: judges what peers send (None: nothing is taken from peers).
         on_change: told of each node whose credential changed (None: removed), so
             the adapter can trust its new key.
+        own: this node's id. A credential of ours that a peer sends is never taken
+            (only this node says what its key is) but told to ``on_own``: one that
+            ranks above ours is from an earlier life (or a stolen key), and ours must
+            be signed again above it.
         """
         self._admit = admit
         self.on_change = on_change
+        self.own = own
+        self.on_own = on_own
+        self.generation = 0
+        """Bumped by `resend`: every link then forgets what its peer holds."""
         self._by_node: dict[str, Credential] = {}
         self._blob_node: dict[bytes, str] = {}
         """The bytes of every credential held: the same bytes cross a node once per
@@ -115,9 +127,18 @@ class CredentialBook:
         if held is None:
             return False
         del self._blob_node[held.blob]
+        self.resend()  # should it come back at the same rank, peers must hear of it
         if self.on_change is not None:
             self.on_change(node, None)
         return True
+
+    def resend(self) -> None:
+        """Make every link send every credential again. A peer may have refused one
+        (its clock, its CA file, its revocations were wrong then), and the links
+        remember only what they sent: the adapter calls this when something the
+        judging depends on changed, and now and then."""
+        self.generation += 1
+        self.seq += 1
 
     def offer(self, blobs: Iterable[bytes], via: str | None) -> list[Credential]:
         """Admit what a peer sent; returns the credentials that were new to us.
@@ -134,6 +155,10 @@ class CredentialBook:
             if verdict is None:
                 continue
             node, rank = verdict
+            if node == self.own:
+                if self.on_own is not None:
+                    self.on_own(blob, rank)
+                continue
             if self.put(node, rank, blob):
                 taken.append(self._by_node[node])
         return taken
@@ -161,7 +186,7 @@ class CredentialExchange:
     """One link's share of the gossip: which credentials its peer holds, and what to
     send it next. Inert (sends and takes nothing) without a book or below version 3."""
 
-    __slots__ = ("_book", "_known", "_sent_seq")
+    __slots__ = ("_book", "_generation", "_known", "_sent_seq")
 
     def __init__(self, book: CredentialBook | None, enabled: bool) -> None:
         self._book = book if enabled else None
@@ -169,6 +194,24 @@ class CredentialExchange:
         """node -> the rank the peer holds: sent by us, or received from it."""
         self._sent_seq = 0
         """Every change of the book up to this one is sent or known to the peer."""
+        self._generation = book.generation if book is not None else 0
+
+    def _fresh(self, book: CredentialBook) -> None:
+        if book.generation != self._generation:  # `CredentialBook.resend`
+            self._generation = book.generation
+            self._known.clear()
+            self._sent_seq = 0
+
+    def owed(self, origin: str, peer: str | None) -> bool:
+        """True while we hold ``origin``'s credential and the peer does not: its
+        records wait, since the peer could not check them (the peer's own records
+        rest on the link, and need none)."""
+        book = self._book
+        if book is None or origin == peer:
+            return False
+        self._fresh(book)
+        cred = book.get(origin)
+        return cred is not None and self._known.get(origin, (-1, -1)) < cred.rank
 
     def own(self, node: str) -> tuple[bytes, ...]:
         """For our HELLO: our own credential, if we have one."""
@@ -194,7 +237,10 @@ class CredentialExchange:
         """True when the peer lacks a credential we hold; changes what `deltas` sends
         only by skipping changes the peer already knows."""
         book = self._book
-        if book is None or book.seq <= self._sent_seq:
+        if book is None:
+            return False
+        self._fresh(book)
+        if book.seq <= self._sent_seq:
             return False
         if book.pending_for(self._known, self._sent_seq):
             return True
@@ -205,7 +251,10 @@ class CredentialExchange:
         """The credentials to send in the next TICK or TOCK: at most
         `MAX_CREDENTIALS_PER_MESSAGE`, within ``budget`` bytes; the rest go next time."""
         book = self._book
-        if book is None or book.seq <= self._sent_seq:
+        if book is None:
+            return ()
+        self._fresh(book)
+        if book.seq <= self._sent_seq:
             return ()
         pending = book.pending_for(self._known, self._sent_seq)
         out: list[Credential] = []

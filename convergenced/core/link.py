@@ -324,10 +324,11 @@ class Link:
     def poll(self) -> None:
         """Send what the rules call for now (after local changes, or any input)."""
         if self.state is S.HOLDING:
+            creds = self._credential_deltas()  # before the records that need them
             deltas = self._deltas()
             idle = self._ticks_since_sent >= self.config.idle_ticks
-            if deltas or self._nudge_received or idle or self._credentials.pending():
-                self._send_tick(deltas)
+            if deltas or creds or self._nudge_received or idle:
+                self._send_tick(deltas, creds)
         elif self.state is S.WAITING and not self._nudged and self._has_deltas():
             self._fire(Ev.SEND_NUDGE)
             self._nudged = True
@@ -376,10 +377,10 @@ class Link:
             self._note_peer_links(msg.links)
             self._credentials.take(msg.credentials, self.peer)
             self._take(msg.records, msg.digest, msg.match)
+            creds = self._credential_deltas()  # before the records that need them
             records = self._deltas()
             self._fire(Ev.SEND_TOCK)
             view = self.node.view
-            creds = self._credential_deltas()
             self._emit(Tock(self.seq, view.digest, self.in_sync, tuple(records), self._links(),
                             creds))  # fmt: skip
             self._mark_sent(records)
@@ -485,11 +486,10 @@ class Link:
         self._peer_matched = peer_matched
         self.mutual = self.in_sync and peer_matched
 
-    def _send_tick(self, records: list[Record]) -> None:
+    def _send_tick(self, records: list[Record], creds: tuple[bytes, ...]) -> None:
         self._fire(Ev.SEND_TICK)
         self.seq += 1
         view = self.node.view
-        creds = self._credential_deltas()
         self._emit(Tick(self.seq, view.digest, self.in_sync, tuple(records), self._links(), creds))
         self._mark_sent(records)
 
@@ -504,7 +504,9 @@ class Link:
         return self._credentials.deltas(self.config.limits.max_frame_bytes // 4)
 
     def _has_deltas(self) -> bool:
-        if self._backlog or self._credentials.pending():
+        if self._credentials.pending():
+            return True
+        if any(not self._credentials.owed(r.origin, self.peer) for r in self._backlog):
             return True
         return self.node.view.any_changed_since(self._sent_seq, self._peer_known, self._peer_links)
 
@@ -525,9 +527,13 @@ class Link:
         limit = self.config.limits.max_records
         self._backlog = []
         seen: set[RecordKey] = set()
+        owed: list[Record] = []  # their origin's credential has not gone out yet
         for i, rec in enumerate(pending):
             current = view.get(rec.key) or rec
             if current.key in seen or current.origin in self._peer_links:
+                continue
+            if self._credentials.owed(current.origin, self.peer):
+                owed.append(current)
                 continue
             if current.origin == me and not made_here(current):
                 continue  # from a life of ours we lost: it would pass for our current one
@@ -541,6 +547,7 @@ class Link:
             budget -= size
             seen.add(current.key)
             out.append(current)
+        self._backlog += owed
         return out
 
     def _mark_sent(self, records: list[Record]) -> None:

@@ -259,7 +259,11 @@ def encode_message(msg: Message, version: int = PROTOCOL_VERSION) -> bytes:
     TICK and TOCK bodies are assembled from each record's cached packed bytes;
     the result is byte-identical to packing `message_to_obj` (the vectors check).
     """
-    if isinstance(msg, Tick | Tock) and version == PROTOCOL_VERSION and not msg.credentials:
+    if version not in VERSIONS:
+        raise LocalProtocolError(f"protocol version {version} is not spoken here")
+    if isinstance(msg, Hello | Tick | Tock) and msg.credentials and version < CREDENTIALS_VERSION:
+        raise LocalProtocolError(f"version {version} carries no credentials")
+    if isinstance(msg, Tick | Tock) and version == PROTOCOL_VERSION:
         records = msg.records
         body = b"".join(
             [

@@ -35,6 +35,7 @@ from typing import Any
 
 import structlog
 import trio
+from cryptography import x509
 
 from convergenced import __version__
 from convergenced.core.events import StateLost
@@ -301,7 +302,7 @@ class Daemon:
             self._prime_metrics()
             self._serve_http(nursery, listeners.metrics)
             r.fleet.on_members = self.apply_members
-            r.fleet.on_revoked = self._close_links_of
+            r.fleet.on_recheck = self._close_untrusted_links
             r.fleet.linked = lambda: frozenset(r.node.neighbours)
             r.fleet.on_credentials = self._admit_credentialed
             nursery.start_soon(r.fleet.run, nursery)
@@ -454,14 +455,25 @@ class Daemon:
     def _admit_credentialed(self) -> None:
         r = self.running
         assert r is not None
-        r.operations.admission.cluster = cluster_members(self.config, r.fleet)
+        r.operations.admission.cluster = cluster_members(r.fleet.effective(), r.fleet)
 
-    def _close_links_of(self, node: str) -> None:
+    def _close_untrusted_links(self) -> None:
+        """Close every link whose peer certificate no longer holds (revoked, or its CA
+        taken out of the CA file), whether or not its node sent a credential."""
         r = self.running
-        assert r is not None
-        for session in r.hub.sessions:
-            if session.peer == node:
-                session.link.close("certificate revoked")
+        judge = r.fleet.judge if r is not None else None
+        if r is None or judge is None:
+            return
+        for session in list(r.hub.sessions):
+            getpeercert = getattr(session.stream, "getpeercert", None)
+            der = getpeercert(True) if getpeercert is not None else None
+            if session.peer is None or not der:
+                continue
+            why = judge.revoked_or_untrusted(session.peer, x509.load_der_x509_certificate(der))
+            if why is not None:
+                log.warning("closing the link of a peer no longer trusted", peer=session.peer,
+                            reason=why)  # fmt: skip
+                session.link.close(f"certificate no longer trusted: {why}")
                 session.wake()
 
     # -- metrics endpoint, probes, systemd ---------------------------------------------

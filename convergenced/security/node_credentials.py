@@ -261,6 +261,23 @@ class CredentialJudge:
         """What an admitted credential says (None: never admitted, or forgotten)."""
         return self._admitted.get(blob)
 
+    @property
+    def remembered(self) -> int:
+        """Credentials whose checked contents are kept."""
+        return len(self._admitted)
+
+    def keep_only(self, blobs: set[bytes]) -> None:
+        """Forget every credential but ``blobs`` (those held): superseded and untaken
+        ones would otherwise pile up."""
+        self._admitted = {b: i for b, i in self._admitted.items() if b in blobs}
+
+    def revoked_or_untrusted(self, node: str, cert: x509.Certificate) -> str | None:
+        """Why a live link's certificate no longer holds (revoked, or no CA of the
+        current CA file issued it), or None."""
+        if not self._issued_by_ca(cert):
+            return "its certificate is not issued by the cluster CA any more"
+        return self.revocations.why(node, cert)
+
     def forget(self, blob: bytes) -> None:
         """Drop what was remembered of ``blob`` (its node's book entry changed)."""
         self._admitted.pop(blob, None)

@@ -39,6 +39,7 @@ from convergenced.errors import ConfigError
 from convergenced.security.keys import is_weak_public_key, public_key_from_hex
 
 DEFAULT_CACHE_SIZE = 65536
+MAX_PAST_KEYS = 4
 
 
 class RejectReason(StrEnum):
@@ -86,7 +87,7 @@ class TrustList:
     Not thread-safe (the daemon runs it on its one trio thread).
     """
 
-    __slots__ = ("_cache", "_cache_size", "_keys", "_raw", "stats")
+    __slots__ = ("_cache", "_cache_size", "_keys", "_past", "_raw", "stats")
 
     def __init__(
         self, keys: Mapping[str, bytes] | None = None, *, cache_size: int = DEFAULT_CACHE_SIZE
@@ -106,6 +107,8 @@ class TrustList:
         self._cache: OrderedDict[_CacheKey, bytes] = OrderedDict()
         self._raw: dict[str, bytes] = {}
         self._keys: dict[str, Ed25519PublicKey] = {}
+        self._past: dict[str, list[Ed25519PublicKey]] = {}
+        """Keys a node signed with in earlier lives (`add_past_key`)."""
         self.stats = VerifyStats()
         for node_id, raw in (keys or {}).items():
             self._add(node_id, raw)
@@ -178,6 +181,24 @@ class TrustList:
         self._add(node_id, raw)
         self._drop_cached({node_id})
 
+    def add_past_key(self, node_id: str, raw: bytes) -> None:
+        """Also accept ``raw`` for ``node_id``'s records: a key it signed with in an
+        earlier life (a node that lost its identity key must still read its own
+        records of before, PROTOCOL.md 13.9). At most `MAX_PAST_KEYS` are kept.
+
+        Raises:
+            ValueError: a weak or malformed key.
+        """
+        if is_weak_public_key(raw):
+            raise ValueError(f"{node_id}: not a valid 32-byte Ed25519 public key")
+        if raw == self._raw.get(node_id):
+            return
+        past = self._past.setdefault(node_id, [])
+        key = Ed25519PublicKey.from_public_bytes(raw)
+        if all(k.public_bytes_raw() != raw for k in past):
+            past.append(key)
+            del past[:-MAX_PAST_KEYS]
+
     def _drop_cached(self, nodes: set[str]) -> None:
         for k in [k for k in self._cache if k[0] in nodes]:
             del self._cache[k]
@@ -217,11 +238,7 @@ class TrustList:
             cache.move_to_end(ck)
             self.stats.cache_hits += 1
             return None
-        try:
-            key.verify(signature, record.body_bytes())
-        except InvalidSignature:
-            return self._reject(RejectReason.BAD_SIGNATURE)
-        except Exception:  # any other failure of the backend still means "not verified"
+        if not any(_verifies(k, signature, record) for k in (key, *self._past.get(origin, ()))):
             return self._reject(RejectReason.BAD_SIGNATURE)
         self.stats.verified += 1
         if self._cache_size:
@@ -238,6 +255,16 @@ class TrustList:
     def _reject(self, reason: RejectReason) -> RejectReason:
         self.stats.rejected[reason] += 1
         return reason
+
+
+def _verifies(key: Ed25519PublicKey, signature: bytes, record: Record) -> bool:
+    try:
+        key.verify(signature, record.body_bytes())
+    except InvalidSignature:
+        return False
+    except Exception:  # any other failure of the backend still means "not verified"
+        return False
+    return True
 
 
 def parse_trust_list(

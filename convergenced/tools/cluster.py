@@ -30,11 +30,24 @@ def free_base_port(n: int) -> int:
     """A base port with ``n`` consecutive ports free on loopback after it (for tests,
     benchmarks and the demo; another process may still take one before it is bound)."""
     rng = random.Random()
+    # Below the kernel's ephemeral range: an outgoing connection (a dialling daemon's)
+    # takes its local port from that range, and could take a port chosen here before
+    # the daemon meant to listen on it is started.
+    low = _ephemeral_low()
+    lo, hi = (10000, low - n) if low - n > 12000 else (20000, 60000 - n)
     for _ in range(200):
-        base = rng.randrange(20000, 60000 - n)
+        base = rng.randrange(lo, hi)
         if all(_port_free(p) for p in range(base, base + n)):
             return base
     raise RuntimeError("no free range of local ports found")
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _port_free(port: int) -> bool:

@@ -21,6 +21,7 @@ flapping resolver moves nothing.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -30,7 +31,7 @@ import structlog
 import trio
 from cryptography import x509
 
-from convergenced.core.credentials import Credential, CredentialBook
+from convergenced.core.credentials import Credential, CredentialBook, Rank
 from convergenced.daemon.config import Config, Peer
 from convergenced.daemon.fleet_config import load_revocations
 from convergenced.daemon.peers.manager import dial_plan
@@ -49,6 +50,9 @@ from convergenced.security.node_credentials import (
 log = structlog.get_logger("convergenced.daemon")
 
 BOOTSTRAP_LINKS = 2
+RESEND_S = 3600.0
+"""How often every link sends every credential again (`CredentialBook.resend`)."""
+MAX_SERIAL = (1 << 63) - 2
 GRACE_REFRESHES = 3
 """A discovered member missing from this many lookups in a row is gone."""
 
@@ -89,8 +93,10 @@ class Fleet:
         declaration may name them at once (`on_members` follows within a second)."""
         self.linked: Callable[[], frozenset[str]] = frozenset
         """The peers with an established link now (the daemon sets it)."""
-        self.on_revoked: Callable[[str], None] | None = None
-        """Called with a node whose certificate was revoked (its links are closed)."""
+        self.on_recheck: Callable[[], None] | None = None
+        """Called after each recheck: the daemon closes the links whose certificate no
+        longer holds (revoked, or its CA removed)."""
+        self._resent_at = 0.0
         if cfg.fleet.ca_trust and security.trust is not None and cfg.tls is not None:
             self.judge = CredentialJudge(
                 cfg.cluster,
@@ -98,8 +104,14 @@ class Fleet:
                 load_revocations(cfg.fleet.revocation),
                 on_refused=self._refused,
             )
-            self.book = CredentialBook(self.judge.admit, on_change=self._credential_changed)
+            self.book = CredentialBook(
+                self.judge.admit,
+                on_change=self._credential_changed,
+                own=cfg.node_id,
+                on_own=self._own_seen,
+            )
             security.transport.revoked = self._revoked
+            security.revoke_nodes(self.judge.revocations.node_ids)
             for path in self._watched():
                 self._stamps[path] = _stamp(path)
 
@@ -132,9 +144,34 @@ class Fleet:
         self.judge.admit(blob, None)
         self.book.put(cfg.node_id, info.rank, blob)
 
+    def _own_seen(self, blob: bytes, rank: Rank) -> None:
+        """A peer holds a credential of ours: from an earlier life (whose record key
+        still verifies our records of then), or a stolen certificate key's. One that
+        ranks at or above ours is outranked by signing ours again."""
+        judge, security = self.judge, self.security
+        info = judge.info(blob) if judge is not None else None
+        trust = security.trust
+        if info is not None and trust is not None and info.record_key != security.own_public_key:
+            trust.add_past_key(self.config.node_id, info.record_key)
+        own = self.book.get(self.config.node_id)
+        if own is None or rank < own.rank:
+            return
+        if rank[0] > own.rank[0]:
+            log.error("a credential of this node with a newer certificate is in the fleet: "
+                      "revoke that certificate if it is not this node's",
+                      their_rank=list(rank), ours=list(own.rank))  # fmt: skip
+            return
+        try:
+            self.publish_own(min(rank[1] + 1, MAX_SERIAL))
+        except (ConvergencedError, ValueError) as exc:
+            log.error("could not sign this node's credential again", error=str(exc))
+
     def _credential_changed(self, node: str, cred: Credential | None) -> None:
         if node == self.config.node_id:
             return
+        judge = self.judge
+        if judge is not None and judge.remembered > 2 * len(self.book) + 1024:
+            judge.keep_only({c.blob for n in self.book.nodes() if (c := self.book.get(n))})
         info = self.judge.info(cred.blob) if cred is not None and self.judge else None
         self.security.set_credential_key(node, info.record_key if info else None)
         if self.on_credentials is not None:
@@ -258,7 +295,13 @@ class Fleet:
         if self.linked() or len(self.bootstrap) >= BOOTSTRAP_LINKS:
             return
         planned = {p.node_id for p in dial_plan(effective)}
-        for node in sorted(ids - planned - self.bootstrap):
+        me = self.config.node_id.encode()
+        # In an order of this node's own (a hash), so the fleet's bootstrap links
+        # spread over the members instead of all landing on the first ids.
+        for node in sorted(
+            ids - planned - self.bootstrap,
+            key=lambda n: hashlib.blake2b(me + b"\0" + n.encode(), digest_size=8).digest(),
+        ):
             self.bootstrap.add(node)
             if len(self.bootstrap) >= BOOTSTRAP_LINKS:
                 break
@@ -277,6 +320,12 @@ class Fleet:
         while True:
             await trio.sleep(self._recheck_s())
             self.recheck()
+            now = trio.current_time()
+            if now - self._resent_at >= RESEND_S:
+                # A peer may have refused a credential when its clock or CA file was
+                # wrong; links only remember what they sent, so now and then resend.
+                self._resent_at = now
+                self.book.resend()
             self._changed.set()
 
     def recheck(self, *, force: bool = False) -> None:
@@ -296,6 +345,8 @@ class Fleet:
                 judge.revocations = load_revocations(cfg.fleet.revocation)
                 self._stamps.update({p: stamps[p] for p in rev})
                 log.info("revocations loaded", entries=len(judge.revocations))
+                self.security.revoke_nodes(judge.revocations.node_ids)
+                self.book.resend()  # what a peer refused as revoked may be good again
             except ValueError as exc:
                 log.error("revocations not reloaded; keeping the previous ones", error=str(exc))
         tls = [cfg.tls.cert, cfg.tls.key, cfg.tls.ca] if cfg.tls is not None else []
@@ -306,6 +357,7 @@ class Fleet:
                 own = self.book.get(cfg.node_id)
                 self.publish_own(own.rank[1] + 1 if own else 0)  # ranks above the old
                 self._stamps.update({p: stamps[p] for p in tls})
+                self.book.resend()
                 log.info("certificates reloaded", cert=str(tls[0]))
             except (ConvergencedError, ValueError, OSError) as exc:
                 log.error("certificates not reloaded; keeping the previous ones", error=str(exc))
@@ -320,8 +372,8 @@ class Fleet:
                             detail=problem[1])  # fmt: skip
                 self.book.remove(node)
                 judge.forget(cred.blob)
-                if problem[0] is Refusal.REVOKED and self.on_revoked is not None:
-                    self.on_revoked(node)
+        if self.on_recheck is not None:
+            self.on_recheck()
 
     def describe(self) -> dict[str, Any]:
         """For ``status``: the trust mode, the members, and the credentials held."""

@@ -48,6 +48,8 @@ class PeerSecurity:
     """Keys the cluster CA vouches for (CA-bound trust): they take precedence over the
     trust list's, which they replace as a fleet migrates."""
     list_keys: dict[str, bytes] = field(default_factory=dict)
+    revoked_nodes: frozenset[str] = frozenset()
+    """Node ids on the deny list: no key of theirs counts, the trust list's included."""
 
     def reload_trust(self, cfg: Config) -> None:
         """Take the trust list of a reloaded configuration (our own key and the
@@ -55,8 +57,21 @@ class PeerSecurity:
         if self.trust is not None:
             self.list_keys = {node: bytes.fromhex(key) for node, key in cfg.trust}
             keys = {**self.list_keys, **self.credential_keys}
+            for node in self.revoked_nodes:
+                keys.pop(node, None)
             keys[cfg.node_id] = self.own_public_key
             self.trust.replace_keys(keys)
+
+    def revoke_nodes(self, nodes: frozenset[str]) -> None:
+        """Trust no key of ``nodes`` (deny-listed), nor again of those no longer listed."""
+        if self.trust is None or nodes == self.revoked_nodes:
+            return
+        restored, self.revoked_nodes = self.revoked_nodes - nodes, nodes
+        for node in nodes:
+            self.trust.set_key(node, None)
+        for node in restored:
+            key = self.credential_keys.get(node) or self.list_keys.get(node)
+            self.trust.set_key(node, key)
 
     def set_credential_key(self, node: str, raw: bytes | None) -> None:
         """Trust ``raw`` for ``node`` because its credential says so (None: its
@@ -65,10 +80,10 @@ class PeerSecurity:
             return
         if raw is None:
             self.credential_keys.pop(node, None)
-            self.trust.set_key(node, self.list_keys.get(node))
         else:
             self.credential_keys[node] = raw
-            self.trust.set_key(node, raw)
+        if node not in self.revoked_nodes:
+            self.trust.set_key(node, raw or self.list_keys.get(node))
 
 
 @dataclass(frozen=True, slots=True)

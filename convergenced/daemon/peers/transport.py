@@ -118,8 +118,9 @@ class PeerTransport:
         await self._handshake(stream)
         try:
             node = tls.peer_node_id(stream)
+            await self._check_revoked(stream, node)
         except ConvergencedError as exc:
-            raise TransportError("tls_no_node_id", str(exc)) from None
+            raise TransportError(getattr(exc, "reason", "tls_no_node_id"), str(exc)) from None
         finally:
             await trio.aclose_forcefully(stream)
         return node
