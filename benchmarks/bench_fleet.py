@@ -60,6 +60,21 @@ def whole(fleet: FleetCluster, nodes: list[str]) -> bool:
     return True
 
 
+def diagnose(fleet: FleetCluster, nodes: list[str]) -> str:
+    """What each node lacks, for a run that did not become whole."""
+    out = []
+    for node in nodes:
+        status = fleet.status(node)
+        if status is None:
+            out.append(f"{node}: no answer; its log ends:\n{fleet.log(node)[-1500:]}")
+            continue
+        peers = {p["id"]: p for p in status["peers"]}
+        creds = set(status["fleet"]["credentials"])
+        down = sorted(p for p, v in peers.items() if v["overlay_link"] and not v["connected"])
+        out.append(f"{node}: knows {len(peers)}, credentials {len(creds)}, overlay down {down}")
+    return "\n".join(out)
+
+
 def agree(fleet: FleetCluster, stream: str, nodes: list[str], epoch: int) -> None:
     members = {node: [i] for i, node in enumerate(nodes)}
     spec = {"name": stream, "members": members, "policy": {"mode": "all", "domains": ["nvme"]}}
@@ -92,14 +107,18 @@ def main(argv: list[str] | None = None) -> int:
     spares = [f"fleet-{i:02d}" for i in range(n + 1, n + 3)]
     results: dict[str, Any] = {}
     limit = 60 + 10 * n
-    with FleetCluster() as fleet:
+    with FleetCluster(fast=False) as fleet:  # the daemon's own link timer
         for node in names:
             fleet.add(node)
 
         def start() -> None:
             for node in names:
                 fleet.start(node)
-            wait_for(lambda: whole(fleet, names), limit, "the fleet whole")
+            try:
+                wait_for(lambda: whole(fleet, names), limit, "the fleet whole")
+            except AssertionError:
+                print(diagnose(fleet, names), file=sys.stderr)
+                raise
 
         phase(fleet, "links up", start, results)
         phase(fleet, "agreed", lambda: agree(fleet, "job", names, 5), results)

@@ -29,13 +29,18 @@ from convergenced.tools.cluster import free_base_port, spawn_daemon, stop_daemon
 SERVICE = "fleet.test"
 SRV_NAME = f"_peer._tcp.{SERVICE}"
 
-FLEET_CONFIG = """\
-cluster = "fleet"
-trust_mode = "ca"
+FAST_TIMER = """\
 tick_ms = 20
 idle_ticks = 4
 dead_ticks = 40
+"""
+"""The tests' link timer: failures show within a second (the daemon's default is a
+100 ms tick, a heartbeat every 500 ms and a link down after 2 s)."""
 
+FLEET_CONFIG = """\
+cluster = "fleet"
+trust_mode = "ca"
+{timer}
 [discovery]
 {discovery}
 refresh_s = 1
@@ -64,10 +69,11 @@ ca = "{ca}"
 class FleetCluster:
     """Daemons ``fleet-NN`` on loopback, discovered through DNS SRV records."""
 
-    def __init__(self, discovery: str | None = None) -> None:
+    def __init__(self, discovery: str | None = None, *, fast: bool = True) -> None:
         """``discovery``: the ``[discovery]`` lines (default: the SRV records of the
-        test DNS server)."""
+        test DNS server); ``fast``: the tests' link timer, else the daemon's default."""
         self.discovery = discovery
+        self.timer = FAST_TIMER if fast else ""
         self.dir = Path(tempfile.mkdtemp(prefix="cvf-", dir="/tmp"))
         self.ca_dir = self.dir / "ca"
         pki.init_ca(self.ca_dir)
@@ -84,7 +90,7 @@ class FleetCluster:
         discovery = self.discovery or (
             f'srv = "{SRV_NAME}"\nnameservers = ["{self.dns.nameserver}"]'
         )
-        return FLEET_CONFIG.format(discovery=discovery, deny_file=self.deny_file)
+        return FLEET_CONFIG.format(timer=self.timer, discovery=discovery, deny_file=self.deny_file)
 
     def add(self, node: str, port: int | None = None) -> None:
         """Give ``node`` a certificate, a directory and a port, and list it in DNS."""

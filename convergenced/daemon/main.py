@@ -466,7 +466,10 @@ class Daemon:
             return
         for session in list(r.hub.sessions):
             getpeercert = getattr(session.stream, "getpeercert", None)
-            der = getpeercert(True) if getpeercert is not None else None
+            try:
+                der = getpeercert(True) if getpeercert is not None else None
+            except (ValueError, OSError):  # the connection is already gone
+                continue
             if session.peer is None or not der:
                 continue
             why = judge.revoked_or_untrusted(session.peer, x509.load_der_x509_certificate(der))
