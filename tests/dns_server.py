@@ -12,14 +12,18 @@ the zone is fake: a dict the test edits while the server runs.
 - An SRV answer carries the A and AAAA records of its targets in the additional
   section while `additional` is true, as Kubernetes' CoreDNS does.
 
-It serves from a thread, so a blocking client (a resolver in a worker thread) and a
-trio test can both use it. No TCP: answers here stay far below the UDP size limit.
+It serves from threads, so a blocking client (a resolver in a worker thread) and a
+trio test can both use it. Like a real server it truncates a UDP answer that does not
+fit (512 bytes, or the client's EDNS size) and answers the same question in full over
+TCP on the same port, which resolvers then ask: the SRV records of a fleet of 32 do
+not fit in one datagram.
 """
 
 from __future__ import annotations
 
 import socket
 import threading
+from contextlib import suppress
 from types import TracebackType
 
 import dns.exception
@@ -53,12 +57,22 @@ class DnsServer:
         self.queries: list[tuple[str, str]] = []
         """(name, type) of every query received, in order."""
         self._lock = threading.Lock()
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self._sock.bind(("127.0.0.1", 0))
-        self.port: int = self._sock.getsockname()[1]
+        for _ in range(100):  # a port free for both UDP and TCP
+            self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            self._sock.bind(("127.0.0.1", 0))
+            self.port: int = self._sock.getsockname()[1]
+            self._tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                self._tcp.bind(("127.0.0.1", self.port))
+                break
+            except OSError:
+                self._sock.close()
+                self._tcp.close()
+        self._tcp.listen(64)
         self._stopping = False
         self._failure: BaseException | None = None
         self._thread = threading.Thread(target=self._serve, name="dns-server", daemon=True)
+        self._tcp_thread = threading.Thread(target=self._serve_tcp, name="dns-tcp", daemon=True)
 
     @property
     def nameserver(self) -> str:
@@ -82,6 +96,7 @@ class DnsServer:
 
     def __enter__(self) -> DnsServer:
         self._thread.start()
+        self._tcp_thread.start()
         return self
 
     def __exit__(
@@ -94,6 +109,10 @@ class DnsServer:
         self._sock.sendto(b"", ("127.0.0.1", self.port))  # wake the blocked recvfrom
         self._thread.join(timeout=5)
         self._sock.close()
+        with suppress(OSError):
+            socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+        self._tcp_thread.join(timeout=5)
+        self._tcp.close()
         if self._failure is not None and exc is None:
             raise AssertionError("the test DNS server failed") from self._failure
 
@@ -110,7 +129,27 @@ class DnsServer:
             if reply is not None:
                 self._sock.sendto(reply, peer)
 
-    def _answer(self, wire: bytes) -> bytes | None:
+    def _serve_tcp(self) -> None:
+        while True:
+            conn, _ = self._tcp.accept()
+            if self._stopping:
+                conn.close()
+                return
+            with conn:
+                conn.settimeout(5)
+                try:
+                    head = _read_exactly(conn, 2)
+                    query = _read_exactly(conn, int.from_bytes(head, "big"))
+                    reply = self._answer(query, tcp=True)
+                except (OSError, ValueError):
+                    continue
+                except BaseException as exc:  # reported by __exit__
+                    self._failure = exc
+                    return
+                if reply is not None:
+                    conn.sendall(len(reply).to_bytes(2, "big") + reply)
+
+    def _answer(self, wire: bytes, *, tcp: bool = False) -> bytes | None:
         try:
             query = dns.message.from_wire(wire)
         except dns.exception.DNSException:
@@ -142,4 +181,23 @@ class DnsServer:
                             response.additional.append(
                                 dns.rrset.from_text_list(rd.target, TTL, "IN", glue, texts)
                             )
-        return response.to_wire()
+        if tcp:
+            return response.to_wire()
+        limit = max(512, query.payload) if query.edns >= 0 else 512
+        try:
+            return response.to_wire(max_size=limit)
+        except dns.exception.TooBig:
+            response.answer.clear()
+            response.additional.clear()
+            response.flags |= dns.flags.TC
+            return response.to_wire()
+
+
+def _read_exactly(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            raise ValueError("connection closed")
+        data += chunk
+    return data

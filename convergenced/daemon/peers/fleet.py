@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from contextlib import suppress
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -50,20 +51,12 @@ from convergenced.security.node_credentials import (
 log = structlog.get_logger("convergenced.daemon")
 
 BOOTSTRAP_LINKS = 2
+MAX_PROBED = 65536
 RESEND_S = 3600.0
 """How often every link sends every credential again (`CredentialBook.resend`)."""
 MAX_SERIAL = (1 << 63) - 2
 GRACE_REFRESHES = 3
 """A discovered member missing from this many lookups in a row is gone."""
-
-
-@dataclass
-class _Member:
-    node: str
-    host: str
-    port: int
-    last_seen: float
-    """`trio.current_time` of the last lookup (or credential) that showed it."""
 
 
 class Fleet:
@@ -78,7 +71,10 @@ class Fleet:
         self.judge: CredentialJudge | None = None
         self.book = CredentialBook()
         self.discovery = Discovery(cfg.discovery) if cfg.discovery is not None else None
-        self._members: dict[str, _Member] = {}
+        self._last_present: dict[str, float] = {}
+        """`trio.current_time` when discovery last showed each learned member (or a link
+        to it was up): members are derived afresh from the credentials, the contacts
+        and the probes each time, and only this is remembered."""
         self.bootstrap: set[str] = set()
         """Members this node dials although the overlay says they dial it: chosen
         while it holds no link at all (they may not know of it yet), and kept."""
@@ -176,14 +172,6 @@ class Fleet:
         self.security.set_credential_key(node, info.record_key if info else None)
         if self.on_credentials is not None:
             self.on_credentials()
-        if info is None:
-            self._members.pop(node, None)
-        elif info.address:
-            try:
-                host, port = parse_address(info.address, None)
-            except ValueError:
-                return
-            self._members[node] = _Member(node, host, port, trio.current_time())
         self._changed.set()
 
     def _refused(self, reason: Refusal, detail: str, via: str | None) -> None:
@@ -195,13 +183,56 @@ class Fleet:
     # -- members ------------------------------------------------------------------
 
     def members(self) -> list[Peer]:
-        """Every node to consider for the overlay, with the address to dial."""
-        me = self.config.node_id
+        """Every node to consider for the overlay, with the address to dial: the
+        configured peers, and the learned ones that are present (`_present`)."""
         out = {p.node_id: p for p in self.config.peers}
-        for m in self._members.values():
-            if m.node != me and m.node not in out:
-                out[m.node] = Peer(m.node, m.host, m.port)
+        for node, (host, port) in self._present(self._learned()).items():
+            out.setdefault(node, Peer(node, host, port))
         return sorted(out.values(), key=lambda p: p.node_id)
+
+    def _learned(self) -> dict[str, tuple[str, int]]:
+        """node -> address, from the credentials held (the address each advertises),
+        the contacts discovery gives with a node id, and the probes of the others. An
+        address a probe found another node answering at is no longer the old node's
+        (a host replaced by a spare with a new identity)."""
+        out: dict[str, tuple[str, int]] = {}
+        judge = self.judge
+        for node in self.book.nodes():
+            cred = self.book.get(node)
+            info = judge.info(cred.blob) if judge is not None and cred is not None else None
+            if info is not None and info.address:
+                with suppress(ValueError):  # checked when admitted; never expected
+                    out[node] = parse_address(info.address, None)
+        for c in self._contacts:
+            named = c.node_id or self._probed.get((c.host, c.port))
+            if named is not None:
+                out[named] = (c.host, c.port)
+        for node, address in list(out.items()):
+            answering = self._probed.get(address)
+            if answering is not None and answering != node:
+                del out[node]
+        out.pop(self.config.node_id, None)
+        return out
+
+    def _present(self, learned: dict[str, tuple[str, int]]) -> dict[str, tuple[str, int]]:
+        """The learned members still present. DNS, SRV and the file list the whole
+        fleet, so their silence about a member (for `GRACE_REFRESHES` lookups, while
+        no link to it is up) means it left; a seed list lists few, so there every
+        member stays."""
+        cfg = self.discovery.config if self.discovery is not None else None
+        if cfg is None or not (cfg.dns or cfg.srv or cfg.file):
+            return learned
+        grace = GRACE_REFRESHES * cfg.refresh_s
+        now = trio.current_time()
+        shown = {(c.host, c.port) for c in self._contacts}
+        linked = self.linked()
+        out = {}
+        for node, address in learned.items():
+            if address in shown or node in linked:
+                self._last_present[node] = now
+            if now - self._last_present.setdefault(node, now) <= grace:
+                out[node] = address
+        return out
 
     def effective(self, cfg: Config | None = None) -> Config:
         """``cfg`` (default ours) with the learned members among its peers."""
@@ -215,31 +246,7 @@ class Fleet:
 
     def _contacts_changed(self, contacts: frozenset[Contact]) -> None:
         self._contacts = contacts
-        now = trio.current_time()
-        for c in contacts:
-            node = c.node_id or self._probed.get((c.host, c.port))
-            if node is not None and node != self.config.node_id:
-                self._members[node] = _Member(node, c.host, c.port, now)
         self._changed.set()
-
-    def _expire(self) -> None:
-        """Forget members discovery stopped showing, after the grace. DNS, SRV and the
-        file list the whole fleet, so their silence about a member means it left; a
-        seed list does not, so there a member a valid credential vouches for stays."""
-        if self.discovery is None:
-            return
-        cfg = self.discovery.config
-        whole_fleet = bool(cfg.dns or cfg.srv or cfg.file)
-        grace = GRACE_REFRESHES * cfg.refresh_s
-        now = trio.current_time()
-        shown = {(c.host, c.port) for c in self._contacts}
-        linked = self.linked()
-        for node, m in list(self._members.items()):
-            if (m.host, m.port) in shown or node in linked:
-                m.last_seen = now
-            elif now - m.last_seen > grace and (whole_fleet or node not in self.book):
-                del self._members[node]
-                self._changed.set()
 
     async def _probe(self, contact: Contact) -> None:
         try:
@@ -247,14 +254,10 @@ class Fleet:
         except (OSError, trio.TooSlowError, ConvergencedError) as exc:
             log.debug("probe failed", address=contact.address, error=str(exc))
             return
-        key = (contact.host, contact.port)
-        self._probed[key] = node
-        for other, m in list(self._members.items()):
-            if other != node and (m.host, m.port) == key:
-                # Another node answers at this address now (a host replaced by a spare
-                # with a new identity): the old one is not there any more.
-                del self._members[other]
-        self._contacts_changed(self._contacts)
+        if len(self._probed) >= MAX_PROBED:
+            self._probed.clear()  # bounded; what is still there is probed again
+        self._probed[(contact.host, contact.port)] = node
+        self._changed.set()
 
     # -- the tasks ----------------------------------------------------------------
 
@@ -268,11 +271,10 @@ class Fleet:
         while True:
             await self._changed.wait()
             self._changed = trio.Event()
-            self._expire()
             # Addresses of members we hold no link to are probed again (at most once
             # per recheck period): whoever answers there now is who is there.
             linked = self.linked()
-            known = {(m.host, m.port) for m in self._members.values() if m.node in linked}
+            known = {a for node, a in self._learned().items() if node in linked}
             own = self.config.advertise
             for c in self._contacts:
                 key = (c.host, c.port)
