@@ -135,19 +135,23 @@ class DnsServer:
             if self._stopping:
                 conn.close()
                 return
-            with conn:
-                conn.settimeout(5)
-                try:
+            # A thread each: many resolvers fall back to TCP at once.
+            threading.Thread(target=self._answer_tcp, args=(conn,), daemon=True).start()
+
+    def _answer_tcp(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(5)
+            try:
+                while True:  # a resolver may ask again on the same connection
                     head = _read_exactly(conn, 2)
                     query = _read_exactly(conn, int.from_bytes(head, "big"))
                     reply = self._answer(query, tcp=True)
-                except (OSError, ValueError):
-                    continue
-                except BaseException as exc:  # reported by __exit__
-                    self._failure = exc
-                    return
-                if reply is not None:
-                    conn.sendall(len(reply).to_bytes(2, "big") + reply)
+                    if reply is not None:
+                        conn.sendall(len(reply).to_bytes(2, "big") + reply)
+            except (OSError, ValueError):
+                return
+            except BaseException as exc:  # reported by __exit__
+                self._failure = exc
 
     def _answer(self, wire: bytes, *, tcp: bool = False) -> bytes | None:
         try:

@@ -38,7 +38,7 @@ from convergenced.daemon.fleet_config import load_revocations
 from convergenced.daemon.peers.manager import dial_plan
 from convergenced.daemon.peers.security import PeerSecurity
 from convergenced.daemon.telemetry import Telemetry
-from convergenced.discovery.contacts import Contact, parse_address
+from convergenced.discovery.contacts import Contact, SourceKind, parse_address
 from convergenced.discovery.sources import Discovery
 from convergenced.errors import ConvergencedError
 from convergenced.security import pki
@@ -71,6 +71,7 @@ class Fleet:
         self.judge: CredentialJudge | None = None
         self.book = CredentialBook()
         self.discovery = Discovery(cfg.discovery) if cfg.discovery is not None else None
+        self._applied: tuple[tuple[Peer, ...], frozenset[str]] | None = None
         self._last_present: dict[str, float] = {}
         """`trio.current_time` when discovery last showed each learned member (or a link
         to it was up): members are derived afresh from the credentials, the contacts
@@ -219,8 +220,18 @@ class Fleet:
         fleet, so their silence about a member (for `GRACE_REFRESHES` lookups, while
         no link to it is up) means it left; a seed list lists few, so there every
         member stays."""
-        cfg = self.discovery.config if self.discovery is not None else None
-        if cfg is None or not (cfg.dns or cfg.srv or cfg.file):
+        discovery = self.discovery
+        if discovery is None:
+            return learned
+        cfg, stats = discovery.config, discovery.stats
+        whole: list[SourceKind] = [k for k in ("dns", "srv", "file") if getattr(cfg, k)]
+        # Silence means something only from a source that answers now; one that fails
+        # (or never answered) says nothing about who left.
+        if (
+            not whole
+            or any(stats.last_error.get(k) for k in whole)
+            or not all(stats.lookups.get((k, "ok")) for k in whole)
+        ):
             return learned
         grace = GRACE_REFRESHES * cfg.refresh_s
         now = trio.current_time()
@@ -283,7 +294,10 @@ class Fleet:
                     nursery.start_soon(self._probe_once, c, probing)
             effective = self.effective()
             self._choose_bootstrap(effective)
-            if self.on_members is not None:
+            # Applying wakes every link and redoes the dial plan: only on a change.
+            applied = (effective.peers, frozenset(self.bootstrap))
+            if self.on_members is not None and applied != self._applied:
+                self._applied = applied
                 self.on_members(effective)
             await trio.sleep(1.0)
 
@@ -395,6 +409,13 @@ class Fleet:
             "trust_mode": self.config.fleet.trust_mode,
             "members": len(self.members()),
             "discovered": len(self._contacts),
+            "discovery_errors": {
+                kind: error
+                for kind, error in (
+                    self.discovery.stats.last_error.items() if self.discovery else ()
+                )
+                if error
+            },
             "revocations": len(judge.revocations) if judge is not None else 0,
             "credentials": creds,
         }
