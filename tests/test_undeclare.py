@@ -17,7 +17,7 @@ from pulled import events
 from convergenced.client import ApiError
 from convergenced.core.errors import FactError, UnknownStreamError
 from convergenced.core.events import RestorePointChanged
-from convergenced.core.facts import CloseGenerations, Commit, Declare, Undeclare
+from convergenced.core.facts import CloseGenerations, Commit, Declare, HighWater, Undeclare
 from convergenced.core.node import NodeCore
 from convergenced.core.records import UNDECLARED
 from convergenced.core.spec import Policy, StreamSpec
@@ -163,7 +163,10 @@ def test_a_redeclared_stream_keeps_the_old_generations_closed() -> None:
     _resolve(a, b, 4)
     a.apply(Undeclare("job"))
     assert a.generations_closed_below("job") == 5
-    assert a.compacted_facts() == [CloseGenerations("job", 5)]
+    assert a.compacted_facts() == [  # and its high-water mark (test_undeclare_high_water)
+        CloseGenerations("job", 5),
+        HighWater("job", 3, (("a", 0, 0),), None),
+    ]
     after_restart = NodeCore("a", 2)  # from the compacted log
     after_restart.replay(a.compacted_facts())
     for n in (a, after_restart):

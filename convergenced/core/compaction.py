@@ -8,6 +8,7 @@ does so every few writes, so replaying compacted logs is checked under every fau
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from convergenced.core.facts import (
     CloseGenerations,
@@ -29,6 +30,8 @@ class Compaction:
 
     _streams: dict[str, StreamState]
     _generation_floors: dict[str, int]
+    _high_water_floors: dict[str, int]
+    undeclared_high_water_fact: Callable[[str, int], HighWater]  # Declarations'
     _lives: PastLives
     _reports: dict[str, ComponentReport]
     _rollout_notes: deque[str]
@@ -39,7 +42,8 @@ class Compaction:
         Used by log compaction: per stream, the declaration, one `RankState` per
         (rank, domain), the digests and sizes held (as commits), the open frozen sets,
         the generation closure, and one high-water mark carrying the merged evidence;
-        then the generation floor of every stream undeclared here.
+        then the generation floor and the high-water mark of every stream undeclared
+        here.
         Replaying them gives the same facts, the same refusals (retired epochs stay
         retired), the same repeats and, after a restart, the same protection against
         stale records as replaying the full log.
@@ -74,4 +78,6 @@ class Compaction:
             if f.horizon is not None:
                 out.append(Horizon(name, f.horizon))
         out.extend(CloseGenerations(n, b) for n, b in sorted(self._generation_floors.items()))
+        out.extend(self.undeclared_high_water_fact(n, e)
+                   for n, e in sorted(self._high_water_floors.items()))  # fmt: skip
         return out

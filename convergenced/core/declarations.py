@@ -18,7 +18,14 @@ stream: the node keeps that *generation floor* (in its log, and through compacti
 a `CloseGenerations` fact of a stream it does not hold), and a later declaration of
 the name starts with the generations below it closed. A rank of the old job that asks
 again is refused `generation_closed` instead of getting a second, different frozen
-set for a generation its peers may have resolved already (S2).
+set for a generation its peers may have resolved already (S2). It keeps the stream's
+*high-water mark* too, and a later declaration of the name adopts it: other members
+deleted checkpoints on the strength of the restore points this node published
+(PROTOCOL.md 13.6), and a first restore point of the new declaration must stay at or
+above the mark minus the retention, whatever stale records of theirs the node holds
+(13.8). Like a mark adopted after a lost state (13.9), it bounds the rollback floor
+and never stands in for a restore point: the new job may not hold the old one's
+checkpoints.
 
 A relaunch may declare a new *membership* of a stream: the same name, policy,
 retention and scopes (`StreamSpec.same_stream`), another member map, and a higher
@@ -39,7 +46,7 @@ from collections.abc import Callable
 from convergenced.core.agreement import StreamAgreement
 from convergenced.core.errors import FactError, SpecConflictError, SpecError, UnknownStreamError
 from convergenced.core.events import MembershipChanged, NodeEvent, RestorePointChanged
-from convergenced.core.facts import StreamFacts, Undeclare
+from convergenced.core.facts import HighWater, StreamFacts, Undeclare
 from convergenced.core.generations import MembershipSupersededError
 from convergenced.core.interval_set import IntervalSet
 from convergenced.core.lives import PastLives
@@ -57,11 +64,15 @@ class Declarations:
     _streams: dict[str, StreamState]
     _generation_floors: dict[str, int]
     """Per stream undeclared here: generations below this stay closed (S2)."""
+    _high_water_floors: dict[str, int]
+    """Per stream undeclared here: the high-water mark it had (S1, see the module
+    docstring)."""
     _lives: PastLives
     _version: int
     _sign: Callable[[Record], Record] | None
     _events: deque[NodeEvent]
     made_here_record: Callable[[Record], bool]  # EarlierLives'
+    _apply_high_water: Callable[[StreamState, HighWater], None]  # NodeCore's
 
     def _check_declare(self, spec: StreamSpec) -> None:
         if self.node_id not in spec.member_ids:
@@ -155,9 +166,12 @@ class Declarations:
     def _undeclare(self, fact: Undeclare) -> None:
         """Forget the stream, keep its generation floor and publish its tombstone
         (see the module docstring)."""
-        gens = self._streams.pop(fact.stream).generations
+        st = self._streams.pop(fact.stream)
+        gens = st.generations
         floor = max([gens.closed_below, *(g + 1 for g in (*gens.frozen, *gens.answers))])
         self.close_undeclared(fact.stream, floor)
+        if st.facts.high_water is not None:
+            self.keep_undeclared_high_water(fact.stream, st.facts.high_water)
         self._publish_bare(fact.stream, UNDECLARED)
 
     def close_undeclared(self, stream: str, below: int) -> None:
@@ -165,6 +179,20 @@ class Declarations:
         an undeclaration, or a compacted log replaying one)."""
         if below > self._generation_floors.get(stream, 0):
             self._generation_floors[stream] = below
+
+    def keep_undeclared_high_water(self, stream: str, epoch: int) -> None:
+        """Keep ``epoch`` as the high-water mark of ``stream``, not declared here (from
+        an undeclaration, or a compacted log replaying one): a later declaration of
+        the name adopts it."""
+        if epoch > self._high_water_floors.get(stream, -1):
+            self._high_water_floors[stream] = epoch
+
+    def undeclared_high_water_fact(self, stream: str, epoch: int) -> HighWater:
+        """The `HighWater` that keeps ``epoch`` as the mark of ``stream`` while it is
+        not declared here, and that a declaration adopts: one with an entry for this
+        node in its evidence (an adopted mark) and of no membership (it never stands
+        in for a restore point)."""
+        return HighWater(stream, epoch, ((self.node_id, 0, 0),), None)
 
     def generations_closed_below(self, stream: str) -> int:
         """Every generation of ``stream`` below this is closed here, whether the stream
@@ -188,5 +216,8 @@ class Declarations:
     def _new_stream(self, spec: StreamSpec) -> StreamState:
         st = StreamState(StreamFacts(spec, self.node_id), StreamAgreement(spec, self.node_id))
         st.generations.close_below(self._generation_floors.pop(spec.name, 0))
+        kept = self._high_water_floors.pop(spec.name, None)
+        if kept is not None:
+            self._apply_high_water(st, self.undeclared_high_water_fact(spec.name, kept))
         st.agreement.observe_many(list(self.view.stream(spec.name).values()))
         return st

@@ -130,6 +130,7 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests, NodeVersions, Com
         self.view = View()
         self._streams: dict[str, StreamState] = {}
         self._generation_floors: dict[str, int] = {}
+        self._high_water_floors: dict[str, int] = {}
         self._version = 0
         self._pending_facts: list[Fact] = []
         self._events: deque[NodeEvent] = deque()
@@ -206,6 +207,8 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests, NodeVersions, Com
         st = self._streams.get(fact.stream)
         if st is None and isinstance(fact, CloseGenerations):
             return  # the generation floor of a stream undeclared here (compaction)
+        if st is None and self._kept_high_water(fact):
+            return  # the high-water mark of a stream undeclared here (compaction)
         if st is None:
             raise UnknownStreamError(fact.stream)
         if isinstance(fact, Commit | Retract | Retire):
@@ -214,6 +217,14 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests, NodeVersions, Com
             st.generations.check_freeze(fact.generation)
         elif isinstance(fact, RankState):
             st.facts.check_rank(fact.rank, fact.domain)
+
+    def _kept_high_water(self, fact: Fact) -> bool:
+        """Whether ``fact`` is the mark of a stream undeclared here, as compaction
+        writes it (`undeclared_high_water_fact`); any other fact of a stream not
+        declared here is refused."""
+        return isinstance(fact, HighWater) and fact == self.undeclared_high_water_fact(
+            fact.stream, fact.epoch
+        )
 
     def judge(self, commit: Commit) -> Verdict:
         """Whether ``commit`` is new here or was sent again (`commits`); check it first.
@@ -358,6 +369,10 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests, NodeVersions, Com
             return ""
         if isinstance(fact, CloseGenerations) and fact.stream not in self._streams:
             self.close_undeclared(fact.stream, fact.below)
+            return fact.stream
+        if isinstance(fact, HighWater) and fact.stream not in self._streams:
+            # Checked: the mark of a stream undeclared here (`_kept_high_water`).
+            self.keep_undeclared_high_water(fact.stream, fact.epoch)
             return fact.stream
         st = self._streams[fact.stream]
         if isinstance(fact, Commit | Retract | Retire):
