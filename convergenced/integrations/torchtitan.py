@@ -325,6 +325,14 @@ def _define(base: Any, async_modes: Any) -> type[Any]:
                     epoch = int(cvg.agreed_epoch(generation, self.restore_timeout))
                 except NoRestorePointError:
                     return None
+                except RestorePointLostError as lost:
+                    # Another rank found the step not whole and retracted it before
+                    # this one asked: vote "not whole" with it, then ask again.
+                    everywhere(False)
+                    broken.add(lost.epoch)
+                    generation = shared_generation(self.client, cvg.stream,
+                                                   timeout=self.restore_timeout)  # fmt: skip
+                    continue
                 if epoch in broken:
                     # Agreed again after its retraction: restorable in another of the
                     # policy's domains, which this manager does not read. Every rank
