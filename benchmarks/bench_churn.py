@@ -156,7 +156,7 @@ def failed(row: dict[str, Any]) -> bool:
 
 HEADER = (
     "    N seed  changes r/s/g/l  joined left gone launches  heal ms  rounds bound"
-    "    cpu-s  RSS MB     events  violations"
+    "  MB/node    cpu-s  RSS MB     events  violations"
 )
 
 
@@ -171,7 +171,8 @@ def _row(r: dict[str, Any]) -> str:
     return (
         f"{r['nodes']:>5} {r['seed']:>4} {changes:>16} {r['joined']:>7} {r['left']:>4} "
         f"{r['gone']:>4} {r['launches']:>8} {heal:>8} {rounds:>7} {r['rounds_bound']:>5} "
-        f"{r['cpu_s']:>8.1f} {r['max_rss_mb']:>7} {r['events']:>10} {bad:>11}"
+        f"{r['bytes'] / r['cluster_nodes'] / 1e6:>8.2f} {r['cpu_s']:>8.1f} "
+        f"{r['max_rss_mb']:>7} {r['events']:>10} {bad:>11}"
     )
 
 
@@ -188,8 +189,9 @@ def render(rows: list[dict[str, Any]], churn: int, faults: frozenset[str], safet
         "launches: relaunches of the job; heal ms: virtual ms from the end of the faults "
         "until the final commit was durable everywhere; rounds: handshake round trips "
         "(400 us) from then until every member agreed, bound = the S5 bound "
-        "2 ceil(log2 N) + 8 for the cluster's nodes, spares included; cpu-s, RSS: CPU "
-        "time and peak RSS of the run's process)",
+        "2 ceil(log2 N) + 8 for the cluster's nodes, spares included; MB/node: frame "
+        "bytes delivered over the whole run / the cluster's nodes; cpu-s, RSS: CPU time "
+        "and peak RSS of the run's process; events: simulator events)",
     ]
     others = {k: v for r in rows for k, v in r["other_faults"].items()}
     if others:
