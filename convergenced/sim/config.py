@@ -37,6 +37,12 @@ class SimConfig:
     rollout: str | None = None
     """A driver rollout during the faulty phase, by this strategy (`rollouts`):
     ``naive``, ``flip`` or ``gated``."""
+    churn: int = 0
+    """Membership changes at fixed times instead of at drawn rates: this many, evenly
+    spaced over the faulty phase, cycling through the enabled membership faults
+    (`faults.churn_plan`). A drawn rate gives each seed its own number of changes;
+    a scale run needs the same number at every N, or its cost per N compares seeds,
+    not sizes. 0: the rates decide, as in every other run."""
 
 
 @dataclass

@@ -41,7 +41,9 @@ start (peers and trust set from the start; a host gone for good is taken out of 
 others' configuration), which hold no stream until the job moves ranks to
 them; a run never has more nodes than that. With every fault enabled, a seed turns
 these four on with the chance `world.MEMBERSHIP_SHARE`; a list naming them turns them
-on in every seed.
+on in every seed. With ``SimConfig.churn`` (``--churn K``) they fire at K fixed times
+instead of at drawn rates (`churn_plan`), so that a scale run makes as many changes at
+every N.
 
 * ``replace``: a member's host dies for good, its disk with it; a spare that never
   held a stream (a new node id, an empty disk) takes over every rank it hosted, and
@@ -105,6 +107,24 @@ LOCAL_TOO = 0.4
 """How often ``lose_state`` takes the node-local checkpoints too (when there are any)."""
 MIN_MEMBERS = 2
 """``shrink`` and ``leave`` never take the job below this many members."""
+
+
+def churn_plan(enabled: frozenset[str], count: int) -> list[str]:
+    """The membership changes of a run with ``SimConfig.churn = count``, in order: the
+    enabled membership faults in the order of `FAULTS` (replace, shrink, grow, leave),
+    cycled, so each kind fires as often as the others whatever the seed (a kind's drawn
+    rate would make one seed all grows and another all leaves)."""
+    kinds = [f for f in FAULTS if f in MEMBERSHIP_FAULTS and f in enabled]
+    return [kinds[i % len(kinds)] for i in range(count)] if kinds else []
+
+
+def churn_spares(plan: list[str]) -> int:
+    """Spares a churn plan needs so that no change in it is skipped for want of a node:
+    each ``replace`` takes a spare that never hosted ranks, and a ``grow`` may have
+    taken one before it (it draws from every node outside the job)."""
+    return sum(1 for kind in plan if kind in ("replace", "grow"))
+
+
 LEAVE_POLL_US = 2_000
 LEAVE_WAIT_US = 60_000
 """How long ``leave`` waits for a member to freeze the launch's generation."""
@@ -162,7 +182,7 @@ class FaultTarget(Protocol):
 class FaultInjector:
     """Draws the per-seed rates and fires the faults of each fault step."""
 
-    def __init__(self, world: FaultTarget, enabled: frozenset[str]) -> None:
+    def __init__(self, world: FaultTarget, enabled: frozenset[str], churn: int = 0) -> None:
         self.world = world
         rng = world.loop.rng
         self.rates = {f: (rng.uniform(*RATE_RANGES[f]) if f in enabled else 0.0)
@@ -170,6 +190,37 @@ class FaultInjector:
         self.counts: dict[str, int] = {}
         self.hosted = set(world.spec.member_ids)
         """Nodes that ever hosted ranks (a spare for ``replace`` never did)."""
+        self.plan = churn_plan(enabled, churn)
+        """The membership changes made at fixed times (`schedule_churn`); their drawn
+        rates are then unused (the draws stay, so the other faults' rates are those
+        of the same seed without churn)."""
+        if self.plan:
+            for fault in MEMBERSHIP_FAULTS:
+                self.rates[fault] = 0.0
+        self.joined = 0
+        self.left = 0
+        """Nodes the job's member map gained and lost, over every change: what a
+        membership fault really did (a ``leave`` cut short by a relaunch or by the
+        end of the faults moves no one)."""
+        self.skipped = 0
+        """Planned changes that found nothing to do (`schedule_churn`)."""
+
+    def schedule_churn(self, until_us: int) -> None:
+        """Schedule the planned membership changes, evenly spaced over the faulty phase
+        (the k-th of n at k/(n + 1) of it: the first after the links formed, the last
+        with time left for a ``leave`` to wait for a frozen generation)."""
+        loop, n = self.world.loop, len(self.plan)
+        for k, kind in enumerate(self.plan, start=1):
+            loop.at(until_us * k // (n + 1), self._planned, kind)
+
+    def _planned(self, kind: str) -> None:
+        if self.world.phase != "safety":
+            return
+        if getattr(self, f"_{kind}")() is False:
+            self.skipped += 1
+            self.world.loop.trace(f"fault {kind} skipped: nothing to do")
+        else:
+            self.counts[kind] = self.counts.get(kind, 0) + 1
 
     def skew_clocks(self) -> None:
         """Give some nodes a timer that runs fast or slow (the ``skew`` fault)."""
@@ -350,7 +401,10 @@ class FaultInjector:
                 and not (fresh and n in self.hosted)]  # fmt: skip
 
     def _move(self, placement: Placement, why: str) -> int:
-        self.hosted.update(placement.node_ids())
+        before, after = set(self.world.placement.node_ids()), set(placement.node_ids())
+        self.joined += len(after - before)
+        self.left += len(before - after)
+        self.hosted.update(after)
         return self.world.move_ranks(placement, why)
 
     def _replace(self) -> bool:

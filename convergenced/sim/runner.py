@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from convergenced.sim.baselines import BASELINES
+from convergenced.sim.faults import MEMBERSHIP_FAULTS
 from convergenced.sim.rollouts import STRATEGIES
 from convergenced.sim.rollouts import table as rollout_table
 from convergenced.sim.workload import lattice_fraction
@@ -42,6 +43,8 @@ def replay_command(cfg: SimConfig) -> str:
         parts += ["--domains", str(cfg.domains)]
     if not cfg.workload:
         parts += ["--no-workload"]
+    if cfg.churn:
+        parts += ["--churn", str(cfg.churn)]
     if cfg.rollout:
         parts += ["--rollout", cfg.rollout]
     if cfg.compare:
@@ -255,6 +258,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--no-workload", action="store_true",
         help="no training workload: only the final commit (for scale runs)",
     )  # fmt: skip
+    p.add_argument(
+        "--churn", type=_positive, metavar="K",
+        help="make K membership changes at evenly spaced times of the faulty phase instead "
+        "of at drawn rates, cycling through the membership faults of --faults (replace, "
+        "shrink, grow, leave): the same churn at every N, for scale runs",
+    )  # fmt: skip
     p.add_argument("--no-lattice", action="store_true", help="skip the epoch-lattice table")
     p.add_argument(
         "--rollout", nargs="?", const="all", choices=[*STRATEGIES, "all"], metavar="STRATEGY",
@@ -274,6 +283,11 @@ def _compared(choice: str | None) -> frozenset[str]:
 
 def command(args: argparse.Namespace) -> int:
     """Run `convergenced sim`; exit 0 when every seed kept every invariant."""
+    if args.churn and not args.faults & MEMBERSHIP_FAULTS:
+        # A usage error, reported as argparse reports its own (exit code 2).
+        sys.stderr.write("convergenced sim: error: --churn needs a membership fault in "
+                         "--faults: replace, shrink, grow or leave\n")  # fmt: skip
+        return 2
     base = SimConfig(
         nodes=args.nodes,
         faults=args.faults,
@@ -282,6 +296,7 @@ def command(args: argparse.Namespace) -> int:
         safety_us=args.safety_ms * 1000,
         compare=_compared(args.compare),
         workload=not args.no_workload,
+        churn=args.churn or 0,
     )
     configs = [replace(base, seed=s) for s in range(args.seed, args.seed + args.seeds)]
     if args.rollout:

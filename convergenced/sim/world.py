@@ -34,7 +34,14 @@ from convergenced.core.spec import Policy, StreamSpec
 from convergenced.core.versions import is_reserved
 from convergenced.sim.baselines import Baselines
 from convergenced.sim.config import Result, SimConfig
-from convergenced.sim.faults import FAULT_STEP, FAULTS, MEMBERSHIP_FAULTS, FaultInjector
+from convergenced.sim.faults import (
+    FAULT_STEP,
+    FAULTS,
+    MEMBERSHIP_FAULTS,
+    FaultInjector,
+    churn_plan,
+    churn_spares,
+)
 from convergenced.sim.job import Job
 from convergenced.sim.launches import Launches
 from convergenced.sim.liveness import Liveness, liveness_bound
@@ -58,7 +65,8 @@ ARCHIVE_SIZE = 2_000
 FAST_FSYNC_US = 100
 """The disk's latency once faults stop (and for the final commits)."""
 SPARES = 2
-"""Spare nodes of a cluster whose faults change the membership (none otherwise)."""
+"""Spare nodes of a cluster whose faults change the membership (none otherwise; more
+when a churn plan needs them: `faults.churn_spares`)."""
 MEMBERSHIP_SHARE = 1 / 4
 """With every fault enabled, the share of seeds that change the membership (the
 others run without them, and without spares: two spares more than double a run's
@@ -85,9 +93,12 @@ class Simulation(DaemonLives):
                                     sampled=every and not cfg.rollout)  # fmt: skip
         if cfg.rollout:
             self.versions.rate = 0.0
-        if every and rng.random() >= MEMBERSHIP_SHARE:
+        if every and not cfg.churn and rng.random() >= MEMBERSHIP_SHARE:
             faults -= MEMBERSHIP_FAULTS  # swarm testing: off in this seed
-        spares = SPARES if faults & MEMBERSHIP_FAULTS else 0
+        plan = churn_plan(faults, cfg.churn)
+        if cfg.churn and not plan:
+            raise ValueError("churn needs a membership fault: replace, shrink, grow or leave")
+        spares = max(SPARES, churn_spares(plan)) if faults & MEMBERSHIP_FAULTS else 0
         total = cfg.nodes + spares
         ids = [f"n{i:02d}" if total <= 100 else f"n{i:04d}" for i in range(total)]
         self.ids = ids
@@ -129,7 +140,7 @@ class Simulation(DaemonLives):
         self.truth = Truth(self.spec, Storage(self.spec.shared))
         self.gone: set[str] = set()
         """Nodes that died for good (replaced, or gone with a member that left)."""
-        self.faults = FaultInjector(self, faults)
+        self.faults = FaultInjector(self, faults, churn=cfg.churn)
         self.job = Job(self, period_us=cfg.period_us, until_us=cfg.safety_us)
         self.launches = Launches(self)
         self.net = Network(
@@ -274,6 +285,7 @@ class Simulation(DaemonLives):
         if self.cfg.workload:
             self.job.start(self.ids)
         loop.at(FAULT_STEP, self._fault_step)
+        self.faults.schedule_churn(self.cfg.safety_us)
         if self.cfg.compare:
             self.baselines.start()
         if self.rollout is not None:
