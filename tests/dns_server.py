@@ -57,6 +57,11 @@ class DnsServer:
         self.queries: list[tuple[str, str]] = []
         """(name, type) of every query received, in order."""
         self._lock = threading.Lock()
+        self._version = 0
+        """Bumped by every change of the zone: rendered replies of older ones are stale."""
+        self._rendered: dict[
+            tuple[int, bool, bool, bytes], tuple[bytes | None, tuple[str, str]]
+        ] = {}
         for _ in range(100):  # a port free for both UDP and TCP
             self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             self._sock.bind(("127.0.0.1", 0))
@@ -83,16 +88,19 @@ class DnsServer:
         """Replace the ``rdtype`` records of ``name`` (no texts: the type is empty)."""
         with self._lock:
             self.records.setdefault(_key(name), {})[rdtype] = list(texts)
+            self._version += 1
 
     def remove(self, name: str) -> None:
         """Forget ``name``: it answers NXDOMAIN from now on."""
         with self._lock:
             self.records.pop(_key(name), None)
+            self._version += 1
 
     def mute(self, name: str, silent: bool = True) -> None:
         """Stop (or resume) answering queries for ``name``."""
         with self._lock:
             (self.silent.add if silent else self.silent.discard)(_key(name))
+            self._version += 1
 
     def __enter__(self) -> DnsServer:
         self._thread.start()
@@ -154,6 +162,10 @@ class DnsServer:
                 self._failure = exc
 
     def _answer(self, wire: bytes, *, tcp: bool = False) -> bytes | None:
+        """The reply to ``wire`` (None: none). Rendered once per zone version and
+        query, then only its 2-byte id changes: a fleet of resolvers asks the same
+        question over and over, and rendering 64 records takes milliseconds (a server
+        that slow times out a fleet's lookups on a loaded machine)."""
         try:
             query = dns.message.from_wire(wire)
         except dns.exception.DNSException:
@@ -164,9 +176,30 @@ class DnsServer:
             self.queries.append((name, rdtype))
             if name in self.silent:
                 return None
+            key = (self._version, self.additional, tcp, wire[2:])
+            cached = self._rendered.get(key)
             zone = {t: list(v) for t, v in self.records.get(name, {}).items()}
             known = name in self.records
             snapshot = {n: dict(z) for n, z in self.records.items()}
+        if cached is None:
+            cached = self._render(query, question, rdtype, zone, known, snapshot, tcp=tcp)
+            with self._lock:
+                if len(self._rendered) > 4096:
+                    self._rendered.clear()
+                self._rendered[key] = cached
+        return wire[:2] + cached[2:]
+
+    def _render(  # noqa: PLR0917 - the parts of one answer, read under the lock
+        self,
+        query: dns.message.Message,
+        question: dns.rrset.RRset,
+        rdtype: str,
+        zone: dict[str, list[str]],
+        known: bool,
+        snapshot: dict[str, dict[str, list[str]]],
+        *,
+        tcp: bool,
+    ) -> bytes:
         response = dns.message.make_response(query)
         response.flags |= dns.flags.AA
         if not known:
@@ -185,8 +218,8 @@ class DnsServer:
                             response.additional.append(
                                 dns.rrset.from_text_list(rd.target, TTL, "IN", glue, texts)
                             )
-        if tcp:
-            return response.to_wire()
+        if tcp:  # up to the 64 KiB a TCP message can hold, whatever the EDNS size
+            return response.to_wire(max_size=65535)
         limit = max(512, query.payload) if query.edns >= 0 else 512
         try:
             return response.to_wire(max_size=limit)
