@@ -39,8 +39,12 @@ lint: $(DEV_STAMP)
 typecheck: $(DEV_STAMP)
 	$(BIN)/mypy convergenced
 
+# Two workers by default (TEST_WORKERS=0: one process); worksteal keeps both busy
+# to the end although a few tests take minutes.
+TEST_WORKERS ?= 2
+
 pytest: $(DEV_STAMP)
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 test: lint typecheck pytest
 

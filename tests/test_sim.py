@@ -27,7 +27,7 @@ from convergenced.sim.runner import replay_command, run_seeds
 from convergenced.sim.storage import Storage
 from convergenced.sim.world import FAULTS, SimConfig, Simulation
 
-SWARM_SEEDS = 450
+SWARM_SEEDS = 240
 
 
 def _configs(n: int, start: int = 0, **kw: object) -> list[SimConfig]:
