@@ -439,7 +439,15 @@ class AsyncClient:
         return result
 
     async def commit(
-        self, stream: str, rank: int, domain: str, epoch: int, *, digest: str = "", size: int = 0
+        self,
+        stream: str,
+        rank: int,
+        domain: str,
+        epoch: int,
+        *,
+        digest: str = "",
+        size: int = 0,
+        location: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """See `Client.commit`."""
         return dict(
@@ -451,6 +459,7 @@ class AsyncClient:
                 epoch=epoch,
                 digest=digest,
                 size=size,
+                **({} if location is None else {"location": dict(location)}),
             )
         )
 

@@ -172,12 +172,22 @@ class Client:
         return result
 
     def commit(
-        self, stream: str, rank: int, domain: str, epoch: int, *, digest: str = "", size: int = 0
+        self,
+        stream: str,
+        rank: int,
+        domain: str,
+        epoch: int,
+        *,
+        digest: str = "",
+        size: int = 0,
+        location: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Report ``epoch`` durable in ``domain`` for ``rank``; returns once logged durably.
 
         Sent again if the connection ends first: a commit the daemon already holds
-        is acknowledged and counted once.
+        is acknowledged and counted once. ``location`` says where the bytes are, so
+        the daemon can verify them later: ``{"kind": "shard", "url": ...}`` or
+        ``{"kind": "files", "url": folder, "names": [...]}`` (docs/verification.md).
         """
         return dict(
             self.call(
@@ -188,11 +198,20 @@ class Client:
                 epoch=epoch,
                 digest=digest,
                 size=size,
+                **({} if location is None else {"location": dict(location)}),
             )
         )
 
     def commit_nowait(
-        self, stream: str, rank: int, domain: str, epoch: int, *, digest: str = "", size: int = 0
+        self,
+        stream: str,
+        rank: int,
+        domain: str,
+        epoch: int,
+        *,
+        digest: str = "",
+        size: int = 0,
+        location: Mapping[str, Any] | None = None,
     ) -> PendingCommit:
         """Send a commit and return without waiting for its acknowledgement.
 
@@ -216,6 +235,8 @@ class Client:
             "digest": digest,
             "size": size,
         }
+        if location is not None:
+            args["location"] = dict(location)
         _, req = self._connection.send("commit", args)
         return PendingCommit(req)
 

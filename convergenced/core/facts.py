@@ -65,6 +65,8 @@ class Commit:
     """Content digest the rank computed (opaque to the core; kept in the log)."""
     size: int = 0
     """Bytes written (opaque to the core; kept in the log)."""
+    location: str = ""
+    """Where the bytes are (`locations.Location.to_text`; opaque, kept in the log)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +83,8 @@ class Content:
     """The newest recovery generation this node had frozen when the commit was
     applied (None: none). Derived from the order of the log, so a replay gives the
     same; `commits` compares it with the generations frozen since."""
+    location: str = ""
+    """Where the commit said the bytes are ("": it did not say)."""
 
     def same(self, digest: str, size: int) -> bool:
         """Whether a commit stating ``digest`` and ``size`` says the same bytes."""
@@ -412,10 +416,12 @@ class StreamFacts:
         old = held.get(fact.epoch) if held else None
         if old is not None:
             self._held(key[1], -old.size)
-        if isinstance(fact, Commit) and (fact.digest or fact.size):
+        if isinstance(fact, Commit) and (fact.digest or fact.size or fact.location):
             if held is None:
                 held = self.contents[key] = {}
-            held[fact.epoch] = Content(fact.digest, fact.size, self.generations.newest_frozen())
+            held[fact.epoch] = Content(
+                fact.digest, fact.size, self.generations.newest_frozen(), fact.location
+            )
             self._held(key[1], fact.size)
         elif held is not None:
             held.pop(fact.epoch, None)  # lost, retired, or committed again without one
@@ -526,7 +532,9 @@ class StreamFacts:
         name = self.spec.name
         for (rank, domain), held in sorted(self.contents.items()):
             for epoch, c in sorted(held.items()):
-                out.append((c.after, Commit(name, rank, domain, epoch, c.digest, c.size)))
+                out.append(
+                    (c.after, Commit(name, rank, domain, epoch, c.digest, c.size, c.location))
+                )
         return out
 
     # -- derived state -------------------------------------------------------

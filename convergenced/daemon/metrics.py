@@ -112,6 +112,16 @@ CATALOG: tuple[MetricSpec, ...] = (
        "or `timeout` (not safe in time: the gate failed closed)"),
     _m("state_losses", "counter", (), "times this node learned of a life of its own it did not "
        "remember (its state directory was lost) and rose above it"),
+    # -- background verification (docs/verification.md)
+    _m("verifications", "counter", ("domain", "outcome"), "checkpoints of this node's ranks "
+       "read again and checked against their commit: `ok`, `mismatch`, `missing` or "
+       "`corrupt` (each retracted at once), `unreadable` or `unchecked` (no evidence: "
+       "kept)"),
+    _m("verified_bytes", "counter", D, "bytes the verifier read"),
+    _m("restore_point_verified_age_seconds", "gauge", ("stream", "domain"), "seconds since "
+       "the restore point last passed verification in the domain, or since it became the "
+       "restore point if it has not yet (only where this node's ranks hold it with a "
+       "location)"),
     # -- peers
     _m("peer_up", "gauge", P, "1 while an established link to the peer is up"),
     _m("peer_exchange_rtt_seconds", "histogram", P,
@@ -231,6 +241,9 @@ class StateCollector(Collector):
             gauge("drain_safe", [stream], 1.0 if s["drain_safe"] else 0.0)
             requested = s["checkpoint_requested"] is not None
             gauge("checkpoint_requested", [stream], 1.0 if requested else 0.0)
+            for domain, v in s.get("verification", {}).items():
+                if v["age_s"] is not None:
+                    gauge("restore_point_verified_age_seconds", [stream, domain], v["age_s"])
             own = s["newest"].get(src.node_id(), {})
             if rp is not None and own:
                 gauge("rpo_epochs", [stream], max(0, max(own.values()) - rp))

@@ -84,6 +84,8 @@ class LocalOperations:
         """The watched streams' feeds, while a watch of them is open."""
         self.checkpoints = CheckpointRequests()
         """The checkpoints drains in progress ask the jobs for."""
+        self.verification: Callable[[str], dict[str, Any]] = lambda stream: {}
+        """The ``verification`` part of a stream's state (the daemon's verifier)."""
 
     # -- facts ------------------------------------------------------------------
 
@@ -157,7 +159,9 @@ class LocalOperations:
         """The state of ``stream`` as this node sees it."""
         self.admission.known(stream)
         status = self.node.status(stream)
-        return results.status_to_wire(status, self.checkpoints.pending(status))
+        out = results.status_to_wire(status, self.checkpoints.pending(status))
+        out["verification"] = self.verification(stream)
+        return out
 
     def streams(self) -> list[str]:
         """Streams declared on this node."""
