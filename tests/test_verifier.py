@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
+from prometheus_client import CollectorRegistry
 
 from convergenced.core.errors import RemoteProtocolError
 from convergenced.core.facts import Commit, Declare, Retract
@@ -26,7 +27,6 @@ from convergenced.daemon.verification.verifier import Verifier
 from convergenced.errors import ConfigError
 from convergenced.integrations.dcp_storage import DcpStorage, files_digest, files_location
 from convergenced.integrations.shards import encode_shard, shard_location
-from prometheus_client import CollectorRegistry
 
 STREAM = "job"
 
@@ -151,21 +151,15 @@ def test_the_digest_recipes_are_the_integrations_own(tmp_path: Path) -> None:
 
 
 def test_the_throttle_holds_reads_to_the_cap() -> None:
-    clock = [0.0]
+    now = [0.0]
     slept: list[float] = []
-    t = Throttle(1000.0)
-    t._stamp = 0.0
-    import convergenced.daemon.verification.digests as d
-
-    real = d.time
-    d.time = type("T", (), {"monotonic": staticmethod(lambda: clock[0]),  # type: ignore[assignment]
-                            "sleep": staticmethod(slept.append)})  # fmt: skip
-    try:
-        t.take(1000)  # the first second's worth is a burst
-        t.take(500)
-        assert slept == [0.5]
-    finally:
-        d.time = real  # type: ignore[assignment]
+    t = Throttle(1000.0, clock=lambda: now[0], sleep=slept.append)
+    t.take(1000)  # the first second's worth is a burst
+    t.take(500)
+    assert slept == [0.5]
+    now[0] = 10.0  # idle time refills the bucket, up to one second's worth
+    t.take(1000)
+    assert slept == [0.5]
 
 
 def test_the_location_travels_through_the_api_the_log_and_compaction(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ import hashlib
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import IO, Final
 from urllib.parse import unquote, urlsplit
@@ -53,10 +53,18 @@ class Throttle:
     average, in bursts of at most one second's worth (thread-safe; monotonic clock:
     this runs in worker threads, outside trio)."""
 
-    def __init__(self, bytes_per_s: float) -> None:
+    def __init__(
+        self,
+        bytes_per_s: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], object] = time.sleep,
+    ) -> None:
         self.rate = float(bytes_per_s)
+        self._clock = clock
+        self._sleep = sleep
         self._tokens = self.rate
-        self._stamp = time.monotonic()
+        self._stamp = clock()
         self._lock = threading.Lock()
 
     def take(self, n: int) -> None:
@@ -64,13 +72,13 @@ class Throttle:
         if self.rate <= 0:
             return  # no cap
         with self._lock:
-            now = time.monotonic()
+            now = self._clock()
             self._tokens = min(self.rate, self._tokens + (now - self._stamp) * self.rate)
             self._stamp = now
             self._tokens -= n
             wait = -self._tokens / self.rate if self._tokens < 0 else 0.0
         if wait > 0:
-            time.sleep(wait)
+            self._sleep(wait)
 
 
 @contextmanager
