@@ -1146,6 +1146,8 @@ def test_alert_rules_are_complete() -> None:
         "ConvergencedWalFsyncSlow",
         "ConvergencedDrainUnsafe",
         "ConvergencedVersionsIncompatible",
+        "ConvergencedCheckpointFailedVerification",
+        "ConvergencedRestorePointUnverified",
     } <= set(names)
     for r in rules:
         assert r["labels"]["severity"] in {"critical", "warning"}, r["alert"]
@@ -1310,6 +1312,74 @@ def test_alerts_fire_when_they_should(tmp_path: Path) -> None:
                     "eval_time": "70m",
                     "alertname": "ConvergencedRestorePointOld",
                     "exp_alerts": [{"exp_labels": warning | n1 | {"stream": "stuck"}}],
+                },
+            ],
+        },
+        {
+            # n1's verifier finds a damaged checkpoint in nvme (a mismatch at minute
+            # 10); its pfs copy verifies fine, and so does every checkpoint of n2.
+            # n1's restore point in pfs then goes unverified for hours.
+            "interval": "1m",
+            "input_series": [
+                series(
+                    "convergenced_verifications_total",
+                    "0x9 1x300",
+                    domain="nvme",
+                    outcome="mismatch",
+                    **n1,
+                ),
+                series(
+                    "convergenced_verifications_total", "0+1x300", domain="pfs", outcome="ok", **n1
+                ),
+                series(
+                    "convergenced_verifications_total",
+                    "0+1x300",
+                    domain="nvme",
+                    outcome="ok",
+                    instance="n2",
+                ),
+                series(
+                    "convergenced_restore_point_verified_age_seconds",
+                    "0+60x300",
+                    stream="job",
+                    domain="pfs",
+                    **n1,
+                ),
+                series(
+                    "convergenced_restore_point_verified_age_seconds",
+                    "30x300",
+                    stream="job",
+                    domain="nvme",
+                    instance="n2",
+                ),
+            ],
+            "alert_rule_test": [
+                {
+                    "eval_time": "5m",
+                    "alertname": "ConvergencedCheckpointFailedVerification",
+                    "exp_alerts": [],
+                },
+                {
+                    "eval_time": "15m",
+                    "alertname": "ConvergencedCheckpointFailedVerification",
+                    "exp_alerts": [{"exp_labels": warning | n1 | {"domain": "nvme"}}],
+                },
+                {
+                    "eval_time": "2h",
+                    "alertname": "ConvergencedCheckpointFailedVerification",
+                    "exp_alerts": [],
+                },
+                {
+                    "eval_time": "3h",
+                    "alertname": "ConvergencedRestorePointUnverified",
+                    "exp_alerts": [],
+                },
+                {
+                    "eval_time": "4h",
+                    "alertname": "ConvergencedRestorePointUnverified",
+                    "exp_alerts": [
+                        {"exp_labels": warning | n1 | {"stream": "job", "domain": "pfs"}}
+                    ],
                 },
             ],
         },
