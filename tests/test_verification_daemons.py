@@ -103,8 +103,13 @@ def test_any_of_the_intact_copy_keeps_the_restore_point(tmp_path: Path) -> None:
         for c in clients:
             c.declare(spec)
         stores = [
-            CheckpointStore(clients[r], STREAM, r, Tier("nvme", tmp_path / f"node-{r + 1}"),
-                            Tier("pfs", tmp_path / "pfs"))  # fmt: skip
+            CheckpointStore(
+                clients[r],
+                STREAM,
+                r,
+                Tier("nvme", tmp_path / f"node-{r + 1}"),
+                Tier("pfs", tmp_path / "pfs"),
+            )
             for r in range(2)
         ]
         _save(stores, range(1, 3))
@@ -116,10 +121,12 @@ def test_any_of_the_intact_copy_keeps_the_restore_point(tmp_path: Path) -> None:
 
         _flip(stores[1].path(stores[1].local, 2))  # node-2's local copy of epoch 2
         _eventually(
-            lambda: _metrics(cluster, 2).get(
-                'convergenced_verifications_total{domain="nvme",outcome="mismatch"}'
+            lambda: (
+                _metrics(cluster, 2).get(
+                    'convergenced_verifications_total{domain="nvme",outcome="mismatch"}'
+                )
+                == 1
             )
-            == 1
         )
         state = clients[1].state(STREAM)
         assert state["restore_point"] == 2  # the pfs copy still restores it
