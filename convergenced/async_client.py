@@ -505,6 +505,17 @@ class AsyncClient:
         return dict(await self.call("drain", node=node, streams=list(streams),
                                     checkpoint=checkpoint, timeout=timeout))  # fmt: skip
 
+    async def drill(
+        self, stream: str, *, epoch: int | None = None, domain: str | None = None
+    ) -> dict[str, Any]:
+        """See `Client.drill`."""
+        args: dict[str, Any] = {"stream": stream}
+        if epoch is not None:
+            args["epoch"] = epoch
+        if domain is not None:
+            args["domain"] = domain
+        return dict(await self.call("drill", **args))
+
     @asynccontextmanager
     async def watch(self, stream: str) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
         """See `Client.watch`. A context manager, so the watch ends when the block does::

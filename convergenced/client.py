@@ -288,6 +288,25 @@ class Client:
             args["versions"] = dict(versions)
         return dict(self.call("drain", **args))
 
+    def drill(
+        self, stream: str, *, epoch: int | None = None, domain: str | None = None
+    ) -> dict[str, Any]:
+        """Test-restore ``epoch`` (default: the restore point) of ``stream`` for this
+        node's ranks, in ``domain`` (default: every domain), and run the daemon's drill
+        hook if it has one (docs/verification.md#drills).
+
+        Returns ``{"stream", "epoch", "passed", "seconds", "at", "ranks": [{"rank",
+        "domain", "outcome", "detail", "bytes", "seconds", "mb_s"}], "domains":
+        {domain: {"bytes", "seconds", "ranks", "mb_s"}}, "hook": {"exit", "seconds",
+        "output"} or None}``.
+        """
+        args: dict[str, Any] = {"stream": stream}
+        if epoch is not None:
+            args["epoch"] = epoch
+        if domain is not None:
+            args["domain"] = domain
+        return dict(self.call("drill", **args))
+
     def report_version(
         self, component: str, running: str, accepts: Sequence[str] = ()
     ) -> dict[str, Any]:

@@ -6,10 +6,16 @@ each daemon's verifier finds it within its period.
   restore point rolls back on every node, and the daemon's metrics show it.
 - With an any-of policy, the intact copy in the other domain keeps the restore point,
   and the figures show the lost copy.
+- A drill (``convergencectl drill``) restores the restore point into a scratch folder,
+  runs the hook, reports its figures and records its outcome; a damaged checkpoint
+  fails it and is retracted.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Callable
@@ -135,5 +141,79 @@ def test_any_of_the_intact_copy_keeps_the_restore_point(tmp_path: Path) -> None:
         m = _metrics(cluster, 2)
         assert m['convergenced_stored_epochs{domain="nvme",stream="job"}'] == stored["nvme"] - 1
         assert m['convergenced_restore_point_verified_age_seconds{domain="pfs",stream="job"}'] < 60
+        for store in stores:
+            store.close()
+
+
+HOOK = """
+import json, os, pathlib, sys
+locations = json.loads(os.environ["CONVERGENCED_DRILL_LOCATIONS"])
+scratch = pathlib.Path(os.environ["CONVERGENCED_DRILL_DIR"])
+for loc in locations:  # "load" each restored shard: here, check that it is there
+    shard = scratch / loc["domain"] / f"rank-{loc['rank']}" / "shard"
+    assert shard.read_bytes().startswith(b"CVGSHARD1 "), shard
+print("loaded", len(locations), "shards of epoch", os.environ["CONVERGENCED_DRILL_EPOCH"])
+sys.exit(int(os.environ.get("DRILL_HOOK_EXIT", "0")))
+"""
+
+
+def _ctl(cluster: LocalCluster, i: int, *args: str) -> tuple[int, str]:
+    done = subprocess.run(
+        [sys.executable, "-m", "convergenced.ctl", "--socket", str(cluster.socket_path(i)), *args],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_a_drill_restores_the_restore_point_and_reports_its_figures(tmp_path: Path) -> None:
+    hook = tmp_path / "hook.py"
+    hook.write_text(HOOK)
+    scratch = tmp_path / "scratch"
+    drill = f'drill = {{ hook = ["{sys.executable}", "{hook}"], scratch = "{scratch}" }}'
+    with LocalCluster(2, extra=drill) as cluster:
+        cluster.start_all()
+        spec = cluster.spec(STREAM, retention=4, mode="all", domains=["nvme"])
+        clients = [cluster.client(1), cluster.client(2)]
+        for c in clients:
+            c.declare(spec)
+        stores = [
+            CheckpointStore(clients[r], STREAM, r, Tier("nvme", tmp_path / f"node-{r + 1}"))
+            for r in range(2)
+        ]
+        _save(stores, range(1, 3))
+        assert clients[0].wait(STREAM, 2, timeout=20)["restore_point"] == 2
+
+        code, out = _ctl(cluster, 2, "drill", STREAM, "--json")
+        assert code == 0, out
+        result = json.loads(out)
+        assert result["passed"] and result["epoch"] == 2
+        (rank,) = result["ranks"]
+        assert (rank["rank"], rank["domain"], rank["outcome"]) == (1, "nvme", "ok")
+        assert rank["bytes"] == len(b"rank 1 epoch 2" * 64) and rank["mb_s"] > 0
+        assert result["domains"]["nvme"]["ranks"] == 1
+        assert (
+            result["hook"]["exit"] == 0 and "loaded 1 shards of epoch 2" in result["hook"]["output"]
+        )
+        assert not any(scratch.iterdir())  # the restored copy is removed afterwards
+        state = clients[1].state(STREAM)["drill"]
+        assert state["passed"] and state["epoch"] == 2
+        records = (
+            (cluster.dir / cluster.name(2) / "state" / "drills.jsonl").read_text().splitlines()
+        )
+        assert [json.loads(line)["passed"] for line in records] == [True]
+
+        code, out = _ctl(cluster, 2, "drill", STREAM, "--epoch", "1")  # an older epoch
+        assert code == 0 and "epoch 1: passed" in out, out
+        _flip(stores[1].path(stores[1].local, 2))
+        code, out = _ctl(cluster, 2, "drill", STREAM)
+        assert code == 1 and "FAILED" in out and "mismatch" in out, out
+        for c in clients:  # the drill's evidence retracted it, as the verifier would
+            _eventually(lambda c=c: c.state(STREAM)["restore_point"] == 1)
+        m = _metrics(cluster, 2)
+        assert m['convergenced_drills_total{outcome="passed"}'] == 2
+        assert m['convergenced_drills_total{outcome="failed"}'] == 1
+        assert m['convergenced_drill_load_bytes_per_second{domain="nvme"}'] > 0
+        code, out = _ctl(cluster, 2, "drill", "nosuch")
+        assert code == 1 and "unknown_stream" in out, out
         for store in stores:
             store.close()

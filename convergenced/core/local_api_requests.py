@@ -146,6 +146,14 @@ def _next_generation(a: Mapping[Any, Any], p: str) -> dict[str, Any]:
     return out
 
 
+def _drill(a: Mapping[Any, Any], p: str) -> dict[str, Any]:
+    out = _stream(a, p)
+    epoch, domain = a.get("epoch"), a.get("domain")
+    out["epoch"] = None if epoch is None else as_int(epoch, f"{p}.epoch")
+    out["domain"] = None if domain is None else _name(domain, f"{p}.domain")
+    return out
+
+
 MAX_DRAIN_STREAMS = 256
 """Streams one drain request may name."""
 
@@ -210,6 +218,7 @@ _OPS: dict[str, tuple[Any, frozenset[str]]] = {
     "next_generation": (_next_generation, frozenset(("stream", "timeout"))),
     "watch": (_stream, frozenset(("stream",))),
     "drain": (_drain, frozenset(("node", "streams", "checkpoint", "timeout", "versions"))),
+    "drill": (_drill, frozenset(("stream", "epoch", "domain"))),
     "report_version": (_report_version, frozenset(("component", "running", "accepts"))),
     "versions": (_versions, frozenset(("stream",))),
     "note_rollout": (_note_rollout, frozenset(("text",))),

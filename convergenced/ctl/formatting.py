@@ -361,3 +361,20 @@ def _format_fact(verb: str) -> Callable[[Mapping[str, Any], argparse.Namespace],
 
 def _fail(kind: str, message: str) -> None:
     print(f"convergencectl: {kind}: {message}", file=sys.stderr, flush=True)
+
+
+def format_drill(r: dict[str, Any]) -> str:
+    """A drill's result: the verdict, one line per rank and per domain, the hook."""
+    lines = [f"drill of {r['stream']} epoch {r['epoch']}: "
+             f"{'passed' if r['passed'] else 'FAILED'} in {r['seconds']:.3f} s"]  # fmt: skip
+    for x in r["ranks"]:
+        why = f" ({x['detail']})" if x["detail"] else ""
+        lines.append(f"  rank {x['rank']} {x['domain']}: {x['outcome']}{why}, "
+                     f"{x['bytes']} bytes in {x['seconds']:.3f} s, {x['mb_s']} MB/s")  # fmt: skip
+    for name, d in sorted(r["domains"].items()):
+        lines.append(f"  domain {name}: {d['ranks']} ranks, {d['bytes']} bytes, {d['mb_s']} MB/s")
+    hook = r["hook"]
+    if hook is not None:
+        lines.append(f"  hook: exit {hook['exit']} in {hook['seconds']:.3f} s")
+        lines.extend("    " + line for line in hook["output"].splitlines()[-10:])
+    return "\n".join(lines)

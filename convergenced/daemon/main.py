@@ -300,6 +300,7 @@ class Daemon:
             nursery.start_soon(r.commits.compact_when_due, r.snapshot)
             nursery.start_soon(r.hub.run_timer)
             nursery.start_soon(r.verifier.run)
+            nursery.start_soon(r.drills.run)
             self._prime_metrics()
             self._serve_http(nursery, listeners.metrics)
             r.fleet.on_members = self.apply_members

@@ -122,6 +122,11 @@ CATALOG: tuple[MetricSpec, ...] = (
        "the restore point last passed verification in the domain, or since it became the "
        "restore point if it has not yet (only where this node's ranks hold it with a "
        "location)"),
+    _m("drills", "counter", ("outcome",), "drills (test restores) run here: `passed`, or "
+       "`failed` (a checkpoint did not match its commit, or the hook failed); with "
+       "`verifications` the restore success ratio"),
+    _m("drill_load_bytes_per_second", "gauge", D, "load bandwidth of the last drill that "
+       "restored every rank's checkpoint in the domain"),
     # -- peers
     _m("peer_up", "gauge", P, "1 while an established link to the peer is up"),
     _m("peer_exchange_rtt_seconds", "histogram", P,

@@ -32,6 +32,7 @@ from convergenced.daemon.peers.manager import PeerManager, link_config, overlay_
 from convergenced.daemon.peers.security import INSECURE_WARNING, PeerSecurity
 from convergenced.daemon.peers.session import PeerHub
 from convergenced.daemon.telemetry import Telemetry
+from convergenced.daemon.verification.drills import Drills
 from convergenced.daemon.verification.verifier import Verifier
 
 
@@ -51,6 +52,7 @@ class Running:
     api: LocalApiServer
     fleet: Fleet
     verifier: Verifier
+    drills: Drills
     started: float = field(default_factory=trio.current_time)
     peer_port: int | None = None
     metrics_port: int | None = None
@@ -238,6 +240,8 @@ def assemble(
     verifier = Verifier(node, operations.submit, operations.durable, telemetry.registry,
                         cfg.verification)  # fmt: skip
     operations.verification = verifier.describe
+    drills = Drills(node, verifier, telemetry.registry, cfg.drill, cfg.state_dir)
+    operations.drill, operations.last_drill = drills.drill, drills.describe
     running = Running(cfg, node, gate, commits, telemetry, security, hub, peers,
-                      operations, server, fleet, verifier)  # fmt: skip
+                      operations, server, fleet, verifier, drills)  # fmt: skip
     return running

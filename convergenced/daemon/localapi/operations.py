@@ -86,6 +86,10 @@ class LocalOperations:
         """The checkpoints drains in progress ask the jobs for."""
         self.verification: Callable[[str], dict[str, Any]] = lambda stream: {}
         """The ``verification`` part of a stream's state (the daemon's verifier)."""
+        self.last_drill: Callable[[str], dict[str, Any] | None] = lambda stream: None
+        """The ``drill`` part of a stream's state (the daemon's drills)."""
+        self.drill: Callable[[str, int | None, str | None], Awaitable[dict[str, Any]]] = _no_drills
+        """Runs a drill (`verification.drills.Drills.drill`)."""
 
     # -- facts ------------------------------------------------------------------
 
@@ -161,6 +165,7 @@ class LocalOperations:
         status = self.node.status(stream)
         out = results.status_to_wire(status, self.checkpoints.pending(status))
         out["verification"] = self.verification(stream)
+        out["drill"] = self.last_drill(stream)
         return out
 
     def streams(self) -> list[str]:
@@ -371,6 +376,10 @@ class LocalOperations:
                 del self.feeds[stream]
 
 
+async def _no_drills(stream: str, epoch: int | None, domain: str | None) -> dict[str, Any]:
+    raise ApiError(ErrorKind.UNAVAILABLE, "unavailable", "this daemon runs no drills")
+
+
 def log_failed(exc: BaseException) -> ApiError:
     """The error every request gets once the log failed."""
     return ApiError(
@@ -410,6 +419,11 @@ async def _drain(ops: LocalOperations, a: Args, emit: Emit) -> Any:
     return await ops.drain(a["node"], a["streams"], a["checkpoint"], a["timeout"], a["versions"])
 
 
+async def _drill(ops: LocalOperations, a: Args, emit: Emit) -> Any:
+    ops.admission.known(a["stream"])
+    return await ops.drill(a["stream"], a["epoch"], a["domain"])
+
+
 async def _watch(ops: LocalOperations, a: Args, emit: Emit) -> Any:
     await ops.watch(a["stream"], emit)
 
@@ -443,6 +457,7 @@ OPERATIONS: dict[str, Operation] = {
     "next_generation": Operation(OpKind.WAIT, _next_generation),
     "watch": Operation(OpKind.WAIT, _watch),
     "drain": Operation(OpKind.WAIT, _drain),
+    "drill": Operation(OpKind.WAIT, _drill),
     "cancel": Operation(OpKind.SESSION, _session),
 }
 """Every operation of the local API, by name."""

@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import IO, Final
 from urllib.parse import unquote, urlsplit
 
@@ -115,7 +116,29 @@ def _join(folder: str, name: str) -> str:
     return folder.rstrip("/") + "/" + name
 
 
-def _copy(f: IO[bytes], h: hashlib._Hash, throttle: Throttle) -> int:
+class _Sink:
+    """Where a drill restores the bytes it reads (None: nowhere, only hashed)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._f: IO[bytes] | None = None
+
+    def __enter__(self) -> _Sink:
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._f = open(self.path, "wb")
+        return self
+
+    def write(self, data: bytes) -> None:
+        if self._f is not None:
+            self._f.write(data)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._f is not None:
+            self._f.close()
+
+
+def _copy(f: IO[bytes], h: hashlib._Hash, throttle: Throttle, sink: _Sink) -> int:
     total = 0
     while True:
         throttle.take(CHUNK)
@@ -123,11 +146,12 @@ def _copy(f: IO[bytes], h: hashlib._Hash, throttle: Throttle) -> int:
         if not chunk:
             return total
         h.update(chunk)
+        sink.write(chunk)
         total += len(chunk)
 
 
-def _shard(loc: Location, throttle: Throttle) -> tuple[str, int]:
-    with _open(loc.url) as f:
+def _shard(loc: Location, throttle: Throttle, into: Path | None) -> tuple[str, int]:
+    with _open(loc.url) as f, _Sink(None if into is None else into / "shard") as sink:
         throttle.take(MAX_SHARD_HEADER)
         head = f.read(len(SHARD_MAGIC))
         if head != SHARD_MAGIC:
@@ -135,35 +159,46 @@ def _shard(loc: Location, throttle: Throttle) -> tuple[str, int]:
         line = f.readline(MAX_SHARD_HEADER)
         if not line.endswith(b"\n"):
             raise Corrupt(f"{loc.url}: the shard header has no end")
+        sink.write(head + line)
         h = hashlib.sha256()
-        return _finish(h, _copy(f, h, throttle))
+        return _finish(h, _copy(f, h, throttle, sink))
 
 
 def _finish(h: hashlib._Hash, size: int) -> tuple[str, int]:
     return f"sha256:{h.hexdigest()}", size
 
 
-def _files(loc: Location, throttle: Throttle) -> tuple[str, int]:
+def _files(loc: Location, throttle: Throttle, into: Path | None) -> tuple[str, int]:
     h = hashlib.sha256()
     total = 0
     for name in sorted(loc.names):
-        with _open(_join(loc.url, name)) as f:
+        with _open(_join(loc.url, name)) as f, _Sink(None if into is None else into / name) as sink:
             size = f.seek(0, os.SEEK_END)
             f.seek(0)
             h.update(name.encode() + b"\0" + size.to_bytes(8, "big"))
-            read = _copy(f, h, throttle)
+            read = _copy(f, h, throttle, sink)
         if read != size:
             raise Unreadable(f"{_join(loc.url, name)}: changed while it was read")
         total += size
     return _finish(h, total)
 
 
-def measure(loc: Location, throttle: Throttle) -> tuple[str, int]:
-    """``("sha256:<hex>", size)`` of the bytes at ``loc``, by its kind's recipe.
+def measure(loc: Location, throttle: Throttle, into: Path | None = None) -> tuple[str, int]:
+    """``("sha256:<hex>", size)`` of the bytes at ``loc``, by its kind's recipe; with
+    ``into``, a folder, the bytes are restored there as they are read (a shard as
+    ``into/shard``, files under their names).
 
     Raises:
         Missing: a file or object is not there.
         Corrupt: a shard file without its header.
-        Unreadable: it could not be read (no reader, permissions, the network).
+        Unreadable: it could not be read (no reader, permissions, the network), or
+            written into ``into``.
     """
-    return _shard(loc, throttle) if loc.kind == "shard" else _files(loc, throttle)
+    try:
+        if loc.kind == "shard":
+            return _shard(loc, throttle, into)
+        return _files(loc, throttle, into)
+    except (Missing, Corrupt, Unreadable):
+        raise
+    except OSError as exc:  # reading mid-way, or writing the restored copy
+        raise Unreadable(f"{loc.url}: {exc}") from None

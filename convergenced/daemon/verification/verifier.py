@@ -202,18 +202,24 @@ class Verifier:
         except Unreadable as exc:
             result, detail = "unreadable", str(exc)
         else:
-            if check.digest and not check.digest.startswith("sha256:"):
-                result, detail = "unchecked", f"digest {check.digest.split(':')[0]} not computed"
-            elif check.digest and digest != check.digest:
-                result, detail = "mismatch", f"digest {digest}, committed {check.digest}"
-            elif check.size and size != check.size:
-                result, detail = "mismatch", f"{size} bytes, committed {check.size}"
+            result, detail = self.judge(check, digest, size)
         self.outcomes.labels(domain=check.domain, outcome=result).inc()
         self.bytes.labels(domain=check.domain).inc(size)
-        retracted = result in EVIDENCE and await self._retract(check, result, detail)
+        retracted = result in EVIDENCE and await self.retract(check, result, detail)
         out = Outcome(check, result, detail, size, self._clock() - start, retracted)
         self.last[(check.stream, check.domain)] = out
         return out
+
+    @staticmethod
+    def judge(check: Check, digest: str, size: int) -> tuple[str, str]:
+        """The outcome, and why, of reading ``digest`` and ``size`` for ``check``."""
+        if check.digest and not check.digest.startswith("sha256:"):
+            return "unchecked", f"digest {check.digest.split(':')[0]} not computed"
+        if check.digest and digest != check.digest:
+            return "mismatch", f"digest {digest}, committed {check.digest}"
+        if check.size and size != check.size:
+            return "mismatch", f"{size} bytes, committed {check.size}"
+        return "ok", ""
 
     def _still_held(self, check: Check) -> bool:
         try:
@@ -222,7 +228,9 @@ class Verifier:
             return False
         return c is not None and c.location == check.text and c.digest == check.digest
 
-    async def _retract(self, check: Check, result: str, detail: str) -> bool:
+    async def retract(self, check: Check, result: str, detail: str) -> bool:
+        """Retract ``check``'s epoch for its rank and domain on evidence ``result``,
+        unless its commit changed since it was read; whether it was retracted."""
         if not self._still_held(check):
             return False  # changed while it was read: not the bytes we judged
         fact = Retract(check.stream, check.rank, check.domain, check.epoch)
