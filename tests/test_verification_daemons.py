@@ -54,7 +54,8 @@ def _metrics(cluster: LocalCluster, i: int) -> dict[str, float]:
     return out
 
 
-def _flip(path: Path) -> None:
+def _flip(where: Path | str) -> None:
+    path = Path(where)
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
