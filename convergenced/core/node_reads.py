@@ -45,6 +45,23 @@ class NodeReads:
         out.sort(key=lambda x: (-x[2], x[0], x[1]))
         return out
 
+    def recovering_from(self, stream: str) -> tuple[int, int] | None:
+        """``(generation, restore point)`` of the newest recovery generation resolved
+        here, while this node's ranks have committed nothing since it was frozen: the
+        job is still restoring from it (None: no such generation). Commits that stated
+        no digest, size or location are not seen (they keep no `Content`)."""
+        st = self._stream(stream)
+        answers = st.generations.answers
+        if not answers:
+            return None
+        g = max(answers)
+        rp = answers[g]
+        since = (c.after is not None and c.after >= g
+                 for held in st.facts.contents.values() for c in held.values())  # fmt: skip
+        if rp is None or any(since):
+            return None
+        return g, rp
+
     def spec(self, stream: str) -> StreamSpec:
         """The declared spec of ``stream``."""
         return self._stream(stream).facts.spec

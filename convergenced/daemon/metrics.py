@@ -108,6 +108,10 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("membership_changes", "counter", S, "new member maps this node moved to (a spare "
        "replaced a host, the job shrank or grew); the log line `membership changed` names "
        "the members that left, joined and replaced others"),
+    _m("incomplete_recoveries", "counter", S, "recovery generations whose restore point one "
+       "of this node's ranks retracted before any of them committed again: it could not be "
+       "restored and the job needed another generation (each node whose ranks failed it "
+       "counts it: max by stream counts generations)"),
     _m("drain_requests", "counter", ("outcome",), "drain gate requests answered: `safe`, "
        "or `timeout` (not safe in time: the gate failed closed)"),
     _m("state_losses", "counter", (), "times this node learned of a life of its own it did not "

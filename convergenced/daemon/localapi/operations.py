@@ -41,7 +41,7 @@ from convergenced.core.drain import (
     member_streams,
 )
 from convergenced.core.errors import FactError
-from convergenced.core.facts import Commit, Declare, Fact
+from convergenced.core.facts import Commit, Declare, Fact, Retract
 from convergenced.core.local_api_codec import ApiError, ErrorKind
 from convergenced.core.node import NodeCore
 from convergenced.daemon.localapi.watches import Snapshot, StreamFeed
@@ -115,7 +115,16 @@ class LocalOperations:
         else:
             self.telemetry.fact_applied(fact)
             self.hub.view_changed()
+            if isinstance(fact, Retract):
+                self._note_failed_restore(fact)
         return admitted.reply
+
+    def _note_failed_restore(self, fact: Retract) -> None:
+        """Count an incomplete recovery: ``fact`` retracts the restore point of the
+        generation the job is restoring from, so it needs another generation."""
+        recovering = self.node.recovering_from(fact.stream)
+        if recovering is not None and recovering[1] == fact.epoch:
+            self.telemetry.incomplete_recovery(fact.stream, *recovering)
 
     def submit_commits(self, commits: Sequence[Commit]) -> list[dict[str, Any] | ApiError]:
         """`submit` each of ``commits`` in turn, applied together
