@@ -1148,6 +1148,7 @@ def test_alert_rules_are_complete() -> None:
         "ConvergencedVersionsIncompatible",
         "ConvergencedCheckpointFailedVerification",
         "ConvergencedRestorePointUnverified",
+        "ConvergencedDrillFailed",
     } <= set(names)
     for r in rules:
         assert r["labels"]["severity"] in {"critical", "warning"}, r["alert"]
@@ -1338,6 +1339,8 @@ def test_alerts_fire_when_they_should(tmp_path: Path) -> None:
                     outcome="ok",
                     instance="n2",
                 ),
+                series("convergenced_drills_total", "0x29 1x300", outcome="failed", **n1),
+                series("convergenced_drills_total", "0+1x300", outcome="passed", instance="n2"),
                 series(
                     "convergenced_restore_point_verified_age_seconds",
                     "0+60x300",
@@ -1373,6 +1376,16 @@ def test_alerts_fire_when_they_should(tmp_path: Path) -> None:
                     "eval_time": "3h",
                     "alertname": "ConvergencedRestorePointUnverified",
                     "exp_alerts": [],
+                },
+                {
+                    "eval_time": "20m",
+                    "alertname": "ConvergencedDrillFailed",
+                    "exp_alerts": [],
+                },
+                {
+                    "eval_time": "40m",
+                    "alertname": "ConvergencedDrillFailed",
+                    "exp_alerts": [{"exp_labels": warning | n1 | {"outcome": "failed"}}],
                 },
                 {
                     "eval_time": "4h",
@@ -1468,6 +1481,7 @@ def test_dashboard_queries_are_valid_promql(tmp_path: Path) -> None:
         {
             "record": f"dashboard:query_{i}",
             "expr": expr.replace("$__rate_interval", "5m")
+            .replace("$__range", "1d")
             .replace("$stream", ".*")
             .replace("$instance", ".*"),
         }
