@@ -224,3 +224,36 @@ async def test_the_loop_runs_a_pass_every_period(
         await trio.sleep(25)  # MockClock (autojump): virtual seconds
         nursery.cancel_scope.cancel()
     assert v.passes == 3  # at 0, 10 and 20
+
+
+def test_state_and_top_say_how_long_ago_the_restore_point_was_verified_and_drilled() -> None:
+    from convergenced.ctl.formatting import format_last_drill, format_verification
+
+    st = {
+        "verification": {
+            "nvme": {
+                "restore_point": 9,
+                "verified": True,
+                "age_s": 12.4,
+                "last_outcome": "ok",
+                "last_epoch": 9,
+            },
+            "pfs": {
+                "restore_point": 9,
+                "verified": False,
+                "age_s": 80.0,
+                "last_outcome": "mismatch",
+                "last_epoch": 10,
+            },
+        },  # fmt: skip
+        "drill": {
+            "epoch": 9,
+            "passed": True,
+            "age_s": 200.2,
+            "seconds": 1.5,
+            "mb_s": {"nvme": 812.5},
+        },  # fmt: skip
+    }
+    assert format_verification(st) == "nvme 12 s ago, pfs not yet (last: mismatch at 10)"
+    assert format_last_drill(st) == "epoch 9 passed 200 s ago, nvme 812.5 MB/s"
+    assert format_verification({}) == "" and format_last_drill({"drill": None}) == ""

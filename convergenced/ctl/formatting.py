@@ -180,6 +180,8 @@ def format_state(st: Mapping[str, Any]) -> str:
             ("gc horizon", _value(st["gc_horizon"])),
             ("safe to delete", format_intervals(st["safe_to_delete"])),
             ("stored", format_stored(st)),
+            *([("verified", v)] if (v := format_verification(st)) else []),
+            *([("last drill", d)] if (d := format_last_drill(st)) else []),
             ("skew", skew),
             ("generations", _generations(st)),
             ("missing", _names(st["missing"])),
@@ -188,6 +190,28 @@ def format_state(st: Mapping[str, Any]) -> str:
         ]
     )
     return "\n".join(lines + _newest_table(spec, st["newest"]))
+
+
+def format_verification(st: Mapping[str, Any]) -> str:
+    """``nvme 12 s ago, pfs never (last: mismatch at 41)``: how long ago the restore
+    point last passed verification per domain ("" when nothing is verified here)."""
+    parts = []
+    for domain, v in sorted(st.get("verification", {}).items()):
+        age = f"{v['age_s']:.0f} s ago" if v["verified"] and v["age_s"] is not None else "not yet"
+        bad = v["last_outcome"] not in (None, "ok")
+        last = f" (last: {v['last_outcome']} at {v['last_epoch']})" if bad else ""
+        parts.append(f"{domain} {age}{last}")
+    return ", ".join(parts)
+
+
+def format_last_drill(st: Mapping[str, Any]) -> str:
+    """``epoch 40 passed 3 min ago, nvme 812.0 MB/s`` ("" when none ran here)."""
+    d = st.get("drill")
+    if not d:
+        return ""
+    rates = ", ".join(f"{k} {v} MB/s" for k, v in sorted(d["mb_s"].items()))
+    verdict = "passed" if d["passed"] else "FAILED"
+    return f"epoch {d['epoch']} {verdict} {d['age_s']:.0f} s ago" + (f", {rates}" if rates else "")
 
 
 MAX_MEMBERS_SHOWN = 16
