@@ -245,14 +245,14 @@ def test_state_and_top_say_how_long_ago_the_restore_point_was_verified_and_drill
                 "last_outcome": "mismatch",
                 "last_epoch": 10,
             },
-        },  # fmt: skip
+        },
         "drill": {
             "epoch": 9,
             "passed": True,
             "age_s": 200.2,
             "seconds": 1.5,
             "mb_s": {"nvme": 812.5},
-        },  # fmt: skip
+        },
     }
     assert format_verification(st) == "nvme 12 s ago, pfs not yet (last: mismatch at 10)"
     assert format_last_drill(st) == "epoch 9 passed 200 s ago, nvme 812.5 MB/s"
