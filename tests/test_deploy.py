@@ -1532,7 +1532,9 @@ class _StateOfOneStream:
             "stored_epochs": {"nvme": 3},
             "drain_safe": False,
             "checkpoint_requested": {"after": 7},
-        }
+            "verification": {"nvme": {"restore_point": 5, "verified": True, "age_s": 30.0,
+                                      "last_outcome": "ok", "last_epoch": 5}},
+        }  # fmt: skip
 
     def node_id(self) -> str:
         return "a"
@@ -1560,10 +1562,24 @@ class _StateOfOneStream:
 def test_the_daemon_exports_exactly_the_catalog() -> None:
     """The event metrics of a fresh `Telemetry` and the state metrics of a source that
     has a value for each: names and types, and the labels of every state metric."""
+    from convergenced.core.node import NodeCore
     from convergenced.daemon.telemetry import Telemetry
+    from convergenced.daemon.verification.config import DrillConfig, VerificationConfig
+    from convergenced.daemon.verification.drills import Drills
+    from convergenced.daemon.verification.verifier import Verifier
 
     telemetry = Telemetry()
     telemetry.watch(_StateOfOneStream())
+    node = NodeCore("a", 1)  # the verifier and the drills register their own metrics
+
+    async def durable() -> None:
+        return None
+
+    verifier = Verifier(node, lambda fact: {}, durable, telemetry.registry, VerificationConfig())
+    verifier.outcomes.labels(domain="nvme", outcome="ok").inc()
+    verifier.bytes.labels(domain="nvme").inc(10)
+    drills = Drills(node, verifier, telemetry.registry, DrillConfig(), REPO)
+    drills.bandwidth.labels(domain="nvme").set(1e9)
     exported: dict[str, str] = {}
     for family in telemetry.registry.collect():
         name = family.name + ("_total" if family.type == "counter" else "")

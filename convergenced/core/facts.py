@@ -14,13 +14,11 @@ and retractions and retirements remove from. A retired epoch is gone for good: a
 commit for it is refused, because the daemon already told someone it could be
 deleted.
 
-Beside each held epoch, the digest and size it was committed with (its `Content`)
-are kept while the epoch is held, so a commit sent again can be told from a
-different checkpoint of the same epoch (`commits`). Log compaction keeps them too.
-Their sizes are also summed per domain as they come and go, so what the node's ranks
-store (`StreamFacts.stored`, shown by ``state`` and the metrics) costs nothing to
-read however many epochs they hold.
-"""
+Beside each held epoch, the digest, size and location it was committed with (its
+`Content`) are kept while it is held, so a commit sent again can be told from a
+different checkpoint of the same epoch (`commits`), and the verifier knows what to
+read; log compaction keeps them too. Sizes are summed per domain as they come and
+go, so what the ranks store (`StreamFacts.stored`) costs nothing to read."""
 
 from __future__ import annotations
 

@@ -176,7 +176,7 @@ class Telemetry:
         elif isinstance(fact, Undeclare):
             log.info("stream undeclared", stream=fact.stream)
             for family in (self.rollbacks, self.retractions, self.spec_conflicts, self.recovery,
-                           self.membership_changes):  # fmt: skip
+                           self.membership_changes, self.incomplete_recoveries):  # fmt: skip
                 with contextlib.suppress(KeyError):  # labels stay bounded by declared streams
                     family.remove(fact.stream)
             self._restore_point_since.pop(fact.stream, None)
