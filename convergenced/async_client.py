@@ -439,7 +439,15 @@ class AsyncClient:
         return result
 
     async def commit(
-        self, stream: str, rank: int, domain: str, epoch: int, *, digest: str = "", size: int = 0
+        self,
+        stream: str,
+        rank: int,
+        domain: str,
+        epoch: int,
+        *,
+        digest: str = "",
+        size: int = 0,
+        location: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """See `Client.commit`."""
         return dict(
@@ -451,6 +459,7 @@ class AsyncClient:
                 epoch=epoch,
                 digest=digest,
                 size=size,
+                **({} if location is None else {"location": dict(location)}),
             )
         )
 
@@ -495,6 +504,17 @@ class AsyncClient:
         """See `Client.drain`."""
         return dict(await self.call("drain", node=node, streams=list(streams),
                                     checkpoint=checkpoint, timeout=timeout))  # fmt: skip
+
+    async def drill(
+        self, stream: str, *, epoch: int | None = None, domain: str | None = None
+    ) -> dict[str, Any]:
+        """See `Client.drill`."""
+        args: dict[str, Any] = {"stream": stream}
+        if epoch is not None:
+            args["epoch"] = epoch
+        if domain is not None:
+            args["domain"] = domain
+        return dict(await self.call("drill", **args))
 
     @asynccontextmanager
     async def watch(self, stream: str) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:

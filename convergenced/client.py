@@ -172,12 +172,22 @@ class Client:
         return result
 
     def commit(
-        self, stream: str, rank: int, domain: str, epoch: int, *, digest: str = "", size: int = 0
+        self,
+        stream: str,
+        rank: int,
+        domain: str,
+        epoch: int,
+        *,
+        digest: str = "",
+        size: int = 0,
+        location: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Report ``epoch`` durable in ``domain`` for ``rank``; returns once logged durably.
 
         Sent again if the connection ends first: a commit the daemon already holds
-        is acknowledged and counted once.
+        is acknowledged and counted once. ``location`` says where the bytes are, so
+        the daemon can verify them later: ``{"kind": "shard", "url": ...}`` or
+        ``{"kind": "files", "url": folder, "names": [...]}`` (docs/verification.md).
         """
         return dict(
             self.call(
@@ -188,11 +198,20 @@ class Client:
                 epoch=epoch,
                 digest=digest,
                 size=size,
+                **({} if location is None else {"location": dict(location)}),
             )
         )
 
     def commit_nowait(
-        self, stream: str, rank: int, domain: str, epoch: int, *, digest: str = "", size: int = 0
+        self,
+        stream: str,
+        rank: int,
+        domain: str,
+        epoch: int,
+        *,
+        digest: str = "",
+        size: int = 0,
+        location: Mapping[str, Any] | None = None,
     ) -> PendingCommit:
         """Send a commit and return without waiting for its acknowledgement.
 
@@ -216,6 +235,8 @@ class Client:
             "digest": digest,
             "size": size,
         }
+        if location is not None:
+            args["location"] = dict(location)
         _, req = self._connection.send("commit", args)
         return PendingCommit(req)
 
@@ -266,6 +287,25 @@ class Client:
         if versions:
             args["versions"] = dict(versions)
         return dict(self.call("drain", **args))
+
+    def drill(
+        self, stream: str, *, epoch: int | None = None, domain: str | None = None
+    ) -> dict[str, Any]:
+        """Test-restore ``epoch`` (default: the restore point) of ``stream`` for this
+        node's ranks, in ``domain`` (default: every domain), and run the daemon's drill
+        hook if it has one (docs/verification.md#drills).
+
+        Returns ``{"stream", "epoch", "passed", "seconds", "at", "ranks": [{"rank",
+        "domain", "outcome", "detail", "bytes", "seconds", "mb_s"}], "domains":
+        {domain: {"bytes", "seconds", "ranks", "mb_s"}}, "hook": {"exit", "seconds",
+        "output"} or None}``.
+        """
+        args: dict[str, Any] = {"stream": stream}
+        if epoch is not None:
+            args["epoch"] = epoch
+        if domain is not None:
+            args["domain"] = domain
+        return dict(self.call("drill", **args))
 
     def report_version(
         self, component: str, running: str, accepts: Sequence[str] = ()

@@ -169,11 +169,19 @@ def test_every_operation_parses_into_typed_arguments() -> None:
         "next_generation",
         "watch",
         "drain",
+        "drill",
         "report_version",
         "versions",
         "note_rollout",
         "cancel",
     }
+    assert _parse("drill", stream="job").args == {"stream": "job", "epoch": None, "domain": None}
+    assert _parse("drill", stream="job", epoch=4, domain="nvme").args == {
+        "stream": "job", "epoch": 4, "domain": "nvme"}  # fmt: skip
+    for bad in ({"stream": "job", "epoch": -1}, {"stream": "job", "domain": "no pe"},
+                {"stream": "job", "hook": "rm"}):  # fmt: skip
+        with pytest.raises(ApiError):
+            _parse("drill", **bad)
 
 
 _OK = {"stream": "job", "rank": 0, "domain": "nvme", "epoch": 1}
@@ -262,7 +270,7 @@ def test_every_operation_of_the_codec_has_one_handler_and_a_kind() -> None:
 
     assert set(OPERATIONS) == set(codec.OPS)
     waits = {op for op, o in OPERATIONS.items() if o.kind is OpKind.WAIT}
-    assert waits == {"wait", "restore_point", "next_generation", "watch", "drain"}
+    assert waits == {"wait", "restore_point", "next_generation", "watch", "drain", "drill"}
 
 
 @pytest.mark.parametrize(

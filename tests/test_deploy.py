@@ -1146,6 +1146,9 @@ def test_alert_rules_are_complete() -> None:
         "ConvergencedWalFsyncSlow",
         "ConvergencedDrainUnsafe",
         "ConvergencedVersionsIncompatible",
+        "ConvergencedCheckpointFailedVerification",
+        "ConvergencedRestorePointUnverified",
+        "ConvergencedDrillFailed",
     } <= set(names)
     for r in rules:
         assert r["labels"]["severity"] in {"critical", "warning"}, r["alert"]
@@ -1313,6 +1316,86 @@ def test_alerts_fire_when_they_should(tmp_path: Path) -> None:
                 },
             ],
         },
+        {
+            # n1's verifier finds a damaged checkpoint in nvme (a mismatch at minute
+            # 10); its pfs copy verifies fine, and so does every checkpoint of n2.
+            # n1's restore point in pfs then goes unverified for hours.
+            "interval": "1m",
+            "input_series": [
+                series(
+                    "convergenced_verifications_total",
+                    "0x9 1x300",
+                    domain="nvme",
+                    outcome="mismatch",
+                    **n1,
+                ),
+                series(
+                    "convergenced_verifications_total", "0+1x300", domain="pfs", outcome="ok", **n1
+                ),
+                series(
+                    "convergenced_verifications_total",
+                    "0+1x300",
+                    domain="nvme",
+                    outcome="ok",
+                    instance="n2",
+                ),
+                series("convergenced_drills_total", "0x29 1x300", outcome="failed", **n1),
+                series("convergenced_drills_total", "0+1x300", outcome="passed", instance="n2"),
+                series(
+                    "convergenced_restore_point_verified_age_seconds",
+                    "0+60x300",
+                    stream="job",
+                    domain="pfs",
+                    **n1,
+                ),
+                series(
+                    "convergenced_restore_point_verified_age_seconds",
+                    "30x300",
+                    stream="job",
+                    domain="nvme",
+                    instance="n2",
+                ),
+            ],
+            "alert_rule_test": [
+                {
+                    "eval_time": "5m",
+                    "alertname": "ConvergencedCheckpointFailedVerification",
+                    "exp_alerts": [],
+                },
+                {
+                    "eval_time": "15m",
+                    "alertname": "ConvergencedCheckpointFailedVerification",
+                    "exp_alerts": [{"exp_labels": warning | n1 | {"domain": "nvme"}}],
+                },
+                {
+                    "eval_time": "2h",
+                    "alertname": "ConvergencedCheckpointFailedVerification",
+                    "exp_alerts": [],
+                },
+                {
+                    "eval_time": "3h",
+                    "alertname": "ConvergencedRestorePointUnverified",
+                    "exp_alerts": [],
+                },
+                {
+                    "eval_time": "20m",
+                    "alertname": "ConvergencedDrillFailed",
+                    "exp_alerts": [],
+                },
+                {
+                    "eval_time": "40m",
+                    "alertname": "ConvergencedDrillFailed",
+                    "exp_alerts": [{"exp_labels": warning | n1 | {"outcome": "failed"}}],
+                },
+                {
+                    "eval_time": "4h",
+                    "alertname": "ConvergencedRestorePointUnverified",
+                    "exp_alerts": [
+                        {"exp_labels": warning | n1 | {"stream": "job", "domain": "pfs"}}
+                    ],
+                },
+            ],
+        },
     ]
     (tmp_path / "tests.yml").write_text(
         json.dumps({"rule_files": ["rules.yml"], "evaluation_interval": "1m", "tests": tests}),
@@ -1398,6 +1481,7 @@ def test_dashboard_queries_are_valid_promql(tmp_path: Path) -> None:
         {
             "record": f"dashboard:query_{i}",
             "expr": expr.replace("$__rate_interval", "5m")
+            .replace("$__range", "1d")
             .replace("$stream", ".*")
             .replace("$instance", ".*"),
         }
@@ -1448,7 +1532,9 @@ class _StateOfOneStream:
             "stored_epochs": {"nvme": 3},
             "drain_safe": False,
             "checkpoint_requested": {"after": 7},
-        }
+            "verification": {"nvme": {"restore_point": 5, "verified": True, "age_s": 30.0,
+                                      "last_outcome": "ok", "last_epoch": 5}},
+        }  # fmt: skip
 
     def node_id(self) -> str:
         return "a"
@@ -1476,10 +1562,24 @@ class _StateOfOneStream:
 def test_the_daemon_exports_exactly_the_catalog() -> None:
     """The event metrics of a fresh `Telemetry` and the state metrics of a source that
     has a value for each: names and types, and the labels of every state metric."""
+    from convergenced.core.node import NodeCore
     from convergenced.daemon.telemetry import Telemetry
+    from convergenced.daemon.verification.config import DrillConfig, VerificationConfig
+    from convergenced.daemon.verification.drills import Drills
+    from convergenced.daemon.verification.verifier import Verifier
 
     telemetry = Telemetry()
     telemetry.watch(_StateOfOneStream())
+    node = NodeCore("a", 1)  # the verifier and the drills register their own metrics
+
+    async def durable() -> None:
+        return None
+
+    verifier = Verifier(node, lambda fact: {}, durable, telemetry.registry, VerificationConfig())
+    verifier.outcomes.labels(domain="nvme", outcome="ok").inc()
+    verifier.bytes.labels(domain="nvme").inc(10)
+    drills = Drills(node, verifier, telemetry.registry, DrillConfig(), REPO)
+    drills.bandwidth.labels(domain="nvme").set(1e9)
     exported: dict[str, str] = {}
     for family in telemetry.registry.collect():
         name = family.name + ("_total" if family.type == "counter" else "")

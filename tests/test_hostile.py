@@ -668,6 +668,7 @@ OP_ARGS: dict[str, tuple[str, ...]] = {
     "next_generation": ("stream", "timeout"),
     "watch": ("stream",),
     "drain": ("node", "streams", "checkpoint", "timeout", "versions"),
+    "drill": ("stream", "epoch", "domain"),
     "report_version": ("component", "running", "accepts"),
     "versions": ("stream",),
     "note_rollout": ("text",),
@@ -904,7 +905,7 @@ def unix_cases(draw: st.DrawFn, *, many: bool) -> tuple[bytes, bool]:
 # -- the local API oracle --------------------------------------------------------------------
 
 TASK_OPS = {"status", "streams", "state", "versions", "wait", "restore_point", "next_generation",
-            "watch", "drain"}  # fmt: skip
+            "watch", "drain", "drill"}  # fmt: skip
 
 
 @dataclass

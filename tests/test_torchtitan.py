@@ -26,6 +26,7 @@ import os
 import socket
 import subprocess
 import sys
+import urllib.request
 import warnings
 from pathlib import Path
 from typing import Any
@@ -170,6 +171,15 @@ def _launch(tmp: Path, name: str, cfg: dict[str, Any]) -> Path:
     return out
 
 
+def _metric(cluster: LocalCluster, i: int, name: str) -> float:
+    port = cluster.metrics_base_port + i - 1
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.rpartition(" ")[2])
+    raise AssertionError(f"{name} not exported by node {i}")
+
+
 def _restored(out: Path) -> list[dict[str, Any]]:
     return [json.loads((out / f"restored-{r}.json").read_text()) for r in range(WORLD)]
 
@@ -216,6 +226,10 @@ def test_a_relaunch_loads_the_agreed_step_not_torchtitans_highest_with_metadata(
         second = _launch(tmp_path, "second", {**cfg, "steps": 10, "async_mode": "disabled",
                                               "last_save_model_only": True})  # fmt: skip
         restored = _restored(second)
+        # Step 7 could not be restored (both ranks found it incomplete and retracted
+        # their parts): an incomplete recovery, counted once by each node.
+        incomplete = 'convergenced_incomplete_recoveries_total{stream="titan"}'
+        assert [_metric(cluster, i, incomplete) for i in (1, 2)] == [1, 1]
         assert [r["torchtitan_would_load"] for r in restored] == [7] * WORLD
         assert [(r["restored"], r["step"]) for r in restored] == [(6, 6)] * WORLD
         assert len({r["generation"] for r in restored}) == 1

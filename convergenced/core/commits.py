@@ -114,7 +114,7 @@ def judge(facts: StreamFacts, commit: Commit) -> Verdict:
     if not (commit.digest or commit.size):
         return Verdict.REPEAT  # it states nothing the held epoch could contradict
     held = facts.content(commit.rank, commit.domain, commit.epoch)
-    if held is None:
+    if held is None or not (held.digest or held.size):  # held with a location at most
         return Verdict.CONTENT
     if held.same(commit.digest, commit.size):
         return Verdict.REPEAT

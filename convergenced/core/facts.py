@@ -14,13 +14,11 @@ and retractions and retirements remove from. A retired epoch is gone for good: a
 commit for it is refused, because the daemon already told someone it could be
 deleted.
 
-Beside each held epoch, the digest and size it was committed with (its `Content`)
-are kept while the epoch is held, so a commit sent again can be told from a
-different checkpoint of the same epoch (`commits`). Log compaction keeps them too.
-Their sizes are also summed per domain as they come and go, so what the node's ranks
-store (`StreamFacts.stored`, shown by ``state`` and the metrics) costs nothing to
-read however many epochs they hold.
-"""
+Beside each held epoch, the digest, size and location it was committed with (its
+`Content`) are kept while it is held, so a commit sent again can be told from a
+different checkpoint of the same epoch (`commits`), and the verifier knows what to
+read; log compaction keeps them too. Sizes are summed per domain as they come and
+go, so what the ranks store (`StreamFacts.stored`) costs nothing to read."""
 
 from __future__ import annotations
 
@@ -65,6 +63,8 @@ class Commit:
     """Content digest the rank computed (opaque to the core; kept in the log)."""
     size: int = 0
     """Bytes written (opaque to the core; kept in the log)."""
+    location: str = ""
+    """Where the bytes are (`locations.Location.to_text`; opaque, kept in the log)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +81,8 @@ class Content:
     """The newest recovery generation this node had frozen when the commit was
     applied (None: none). Derived from the order of the log, so a replay gives the
     same; `commits` compares it with the generations frozen since."""
+    location: str = ""
+    """Where the commit said the bytes are ("": it did not say)."""
 
     def same(self, digest: str, size: int) -> bool:
         """Whether a commit stating ``digest`` and ``size`` says the same bytes."""
@@ -412,10 +414,12 @@ class StreamFacts:
         old = held.get(fact.epoch) if held else None
         if old is not None:
             self._held(key[1], -old.size)
-        if isinstance(fact, Commit) and (fact.digest or fact.size):
+        if isinstance(fact, Commit) and (fact.digest or fact.size or fact.location):
             if held is None:
                 held = self.contents[key] = {}
-            held[fact.epoch] = Content(fact.digest, fact.size, self.generations.newest_frozen())
+            held[fact.epoch] = Content(
+                fact.digest, fact.size, self.generations.newest_frozen(), fact.location
+            )
             self._held(key[1], fact.size)
         elif held is not None:
             held.pop(fact.epoch, None)  # lost, retired, or committed again without one
@@ -526,7 +530,9 @@ class StreamFacts:
         name = self.spec.name
         for (rank, domain), held in sorted(self.contents.items()):
             for epoch, c in sorted(held.items()):
-                out.append((c.after, Commit(name, rank, domain, epoch, c.digest, c.size)))
+                out.append(
+                    (c.after, Commit(name, rank, domain, epoch, c.digest, c.size, c.location))
+                )
         return out
 
     # -- derived state -------------------------------------------------------

@@ -23,6 +23,7 @@ from convergenced.core.facts import (
 )
 from convergenced.core.limits import MAX_DIGEST_CHARS
 from convergenced.core.local_api_errors import ApiError, bad_request
+from convergenced.core.locations import parse_location
 from convergenced.core.spec import StreamSpec
 from convergenced.core.validate import (
     INT64_MAX,
@@ -95,7 +96,9 @@ def _epoch_fact(cls: type[Commit] | type[Retract] | type[Retire]) -> Any:
             if type(digest) is not str or len(digest) > MAX_DIGEST_CHARS:
                 as_str(digest, p + ".digest", max_len=MAX_DIGEST_CHARS)  # raises
             size = _int(a.get("size", 0), p + ".size")
-            return {"fact": Commit(stream, rank, domain, epoch, digest, size)}
+            where = a.get("location")
+            location = "" if where is None else parse_location(where, p + ".location").to_text()
+            return {"fact": Commit(stream, rank, domain, epoch, digest, size, location)}
         return {"fact": cls(stream, rank, domain, epoch)}
 
     return parse
@@ -140,6 +143,14 @@ def _restore_point(a: Mapping[Any, Any], p: str) -> dict[str, Any]:
 def _next_generation(a: Mapping[Any, Any], p: str) -> dict[str, Any]:
     out = _stream(a, p)
     out["timeout"] = _timeout(a, p)
+    return out
+
+
+def _drill(a: Mapping[Any, Any], p: str) -> dict[str, Any]:
+    out = _stream(a, p)
+    epoch, domain = a.get("epoch"), a.get("domain")
+    out["epoch"] = None if epoch is None else as_int(epoch, f"{p}.epoch")
+    out["domain"] = None if domain is None else _name(domain, f"{p}.domain")
     return out
 
 
@@ -197,7 +208,7 @@ _OPS: dict[str, tuple[Any, frozenset[str]]] = {
     "undeclare": (_undeclare, frozenset(("stream",))),
     "commit": (
         _epoch_fact(Commit),
-        frozenset(("stream", "rank", "domain", "epoch", "digest", "size")),
+        frozenset(("stream", "rank", "domain", "epoch", "digest", "size", "location")),
     ),
     "retract": (_epoch_fact(Retract), frozenset(("stream", "rank", "domain", "epoch"))),
     "retire": (_epoch_fact(Retire), frozenset(("stream", "rank", "domain", "epoch"))),
@@ -207,6 +218,7 @@ _OPS: dict[str, tuple[Any, frozenset[str]]] = {
     "next_generation": (_next_generation, frozenset(("stream", "timeout"))),
     "watch": (_stream, frozenset(("stream",))),
     "drain": (_drain, frozenset(("node", "streams", "checkpoint", "timeout", "versions"))),
+    "drill": (_drill, frozenset(("stream", "epoch", "domain"))),
     "report_version": (_report_version, frozenset(("component", "running", "accepts"))),
     "versions": (_versions, frozenset(("stream",))),
     "note_rollout": (_note_rollout, frozenset(("text",))),

@@ -30,7 +30,6 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from convergenced.core.agreement import Decision, Knowledge
-from convergenced.core.commits import Verdict, judge
 from convergenced.core.compaction import Compaction
 from convergenced.core.declarations import Declarations
 from convergenced.core.errors import FactError, UnknownStreamError
@@ -46,7 +45,6 @@ from convergenced.core.facts import (
     CloseGenerations,
     Commit,
     ComponentReport,
-    Content,
     Declare,
     Fact,
     Freeze,
@@ -58,7 +56,6 @@ from convergenced.core.facts import (
     Retract,
     RolloutNote,
     Settled,
-    Stored,
     Undeclare,
 )
 from convergenced.core.generation_requests import GenerationRequests
@@ -69,9 +66,9 @@ from convergenced.core.generations import (
 from convergenced.core.interval_set import IntervalSet
 from convergenced.core.limits import MAX_RANGES
 from convergenced.core.lives import EarlierLives, PastLives
+from convergenced.core.node_reads import NodeReads
 from convergenced.core.node_versions import NodeVersions
 from convergenced.core.records import Record, View
-from convergenced.core.spec import StreamSpec
 from convergenced.core.status import StreamStatus, describe
 from convergenced.core.stream_state import StreamState
 from convergenced.core.versions import (
@@ -95,7 +92,7 @@ __all__ = [
 ]
 
 
-class NodeCore(Declarations, EarlierLives, GenerationRequests, NodeVersions, Compaction):
+class NodeCore(NodeReads, Declarations, EarlierLives, GenerationRequests, NodeVersions, Compaction):
     """One node's protocol state. See the module docstring for the contract."""
 
     def __init__(
@@ -225,18 +222,6 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests, NodeVersions, Com
         return isinstance(fact, HighWater) and fact == self.undeclared_high_water_fact(
             fact.stream, fact.epoch
         )
-
-    def judge(self, commit: Commit) -> Verdict:
-        """Whether ``commit`` is new here or was sent again (`commits`); check it first.
-
-        Raises:
-            UnknownStreamError: the stream is not declared here.
-        """
-        return judge(self._stream(commit.stream).facts, commit)
-
-    def content(self, commit: Commit) -> Content | None:
-        """The digest and size held for the epoch ``commit`` is about (None: none)."""
-        return self._stream(commit.stream).facts.content(commit.rank, commit.domain, commit.epoch)
 
     def apply(self, fact: Fact) -> None:
         """Apply a fact (checked first) and re-evaluate its stream.
@@ -458,10 +443,6 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests, NodeVersions, Com
 
     # -- queries --------------------------------------------------------------
 
-    def spec(self, stream: str) -> StreamSpec:
-        """The declared spec of ``stream``."""
-        return self._stream(stream).facts.spec
-
     def status(self, stream: str) -> StreamStatus:
         """A consistent snapshot of ``stream`` as this node sees it."""
         st = self._stream(stream)
@@ -470,15 +451,6 @@ class NodeCore(Declarations, EarlierLives, GenerationRequests, NodeVersions, Com
                         records=self.view.stream(stream),
                         safe_to_delete=self.safe_to_delete(stream),
                         waiting_for=() if st.settled else self._waiting_for(st))  # fmt: skip
-
-    def stored(self, stream: str) -> dict[str, Stored]:
-        """Per domain of its policy, what this node's ranks of ``stream`` hold there."""
-        return self._stream(stream).facts.stored()
-
-    def restore_point(self, stream: str) -> int | None:
-        """Our current restore point of ``stream``."""
-        d = self._stream(stream).decision
-        return d.restore_point if d else None
 
     def safe_to_delete(self, stream: str) -> IntervalSet:
         """Epochs this node still holds in some domain that may be deleted now (S4).

@@ -18,6 +18,7 @@ Every subcommand is one request to the daemon through `convergenced.client.Clien
     convergencectl gate node-3 --version driver=555.42.02 --timeout 600
     convergencectl report-version driver 555.42.02 --accepts 550.54.15,555.42.02
     convergencectl versions job
+    convergencectl drill job --json
     convergencectl top job
 
 Output is short text for people; with ``--json`` (before or after the subcommand)
@@ -35,7 +36,7 @@ Exit codes:
 * 0: done (``watch``, ``top``: stopped by ``--count``, Ctrl-C or a closed output pipe).
 * 1: failed: the daemon answered with an error (rejected, timeout, ...); ``top``
   without STREAM on a node with no stream declared; ``gate``: the drain is not safe
-  within its timeout.
+  within its timeout; ``drill``: the drill failed.
 * 2: usage: bad arguments (argparse errors, an unreadable or invalid spec file).
 * 3: daemon unreachable: nothing listens on the socket, the connection was lost
   mid-request, or the daemon is shutting down.
@@ -62,6 +63,7 @@ from convergenced.ctl.formatting import (
     _fail,
     _format_fact,
     format_drain,
+    format_drill,
     format_restore_point,
     format_state,
     format_status,
@@ -163,6 +165,13 @@ def _gate(client: Client, args: argparse.Namespace) -> int:
     return EXIT_OK if result["safe"] else EXIT_FAILED
 
 
+def _drill(client: Client, args: argparse.Namespace) -> int:
+    """Run a drill; exit 0 only when it passed."""
+    result = client.drill(args.stream, epoch=args.epoch, domain=args.domain)
+    print(_dumps(result) if args.json else format_drill(result), flush=True)
+    return EXIT_OK if result["passed"] else EXIT_FAILED
+
+
 def _request(args: argparse.Namespace) -> int:
     """Connect, make the request, print the result; exceptions go to `_run`."""
     # No reconnecting: a command reports a daemon that went away at once (exit 3), and
@@ -174,6 +183,8 @@ def _request(args: argparse.Namespace) -> int:
             return _top(client, args)
         if args.command == "gate":
             return _gate(client, args)
+        if args.command == "drill":
+            return _drill(client, args)
         command = COMMANDS[args.command]
         result = command.call(client, args)
         text = _dumps(result) if args.json else command.show(result, args)

@@ -180,6 +180,8 @@ def format_state(st: Mapping[str, Any]) -> str:
             ("gc horizon", _value(st["gc_horizon"])),
             ("safe to delete", format_intervals(st["safe_to_delete"])),
             ("stored", format_stored(st)),
+            *([("verified", v)] if (v := format_verification(st)) else []),
+            *([("last drill", d)] if (d := format_last_drill(st)) else []),
             ("skew", skew),
             ("generations", _generations(st)),
             ("missing", _names(st["missing"])),
@@ -188,6 +190,28 @@ def format_state(st: Mapping[str, Any]) -> str:
         ]
     )
     return "\n".join(lines + _newest_table(spec, st["newest"]))
+
+
+def format_verification(st: Mapping[str, Any]) -> str:
+    """``nvme 12 s ago, pfs never (last: mismatch at 41)``: how long ago the restore
+    point last passed verification per domain ("" when nothing is verified here)."""
+    parts = []
+    for domain, v in sorted(st.get("verification", {}).items()):
+        age = f"{v['age_s']:.0f} s ago" if v["verified"] and v["age_s"] is not None else "not yet"
+        bad = v["last_outcome"] not in (None, "ok")
+        last = f" (last: {v['last_outcome']} at {v['last_epoch']})" if bad else ""
+        parts.append(f"{domain} {age}{last}")
+    return ", ".join(parts)
+
+
+def format_last_drill(st: Mapping[str, Any]) -> str:
+    """``epoch 40 passed 3 min ago, nvme 812.0 MB/s`` ("" when none ran here)."""
+    d = st.get("drill")
+    if not d:
+        return ""
+    rates = ", ".join(f"{k} {v} MB/s" for k, v in sorted(d["mb_s"].items()))
+    verdict = "passed" if d["passed"] else "FAILED"
+    return f"epoch {d['epoch']} {verdict} {d['age_s']:.0f} s ago" + (f", {rates}" if rates else "")
 
 
 MAX_MEMBERS_SHOWN = 16
@@ -361,3 +385,20 @@ def _format_fact(verb: str) -> Callable[[Mapping[str, Any], argparse.Namespace],
 
 def _fail(kind: str, message: str) -> None:
     print(f"convergencectl: {kind}: {message}", file=sys.stderr, flush=True)
+
+
+def format_drill(r: dict[str, Any]) -> str:
+    """A drill's result: the verdict, one line per rank and per domain, the hook."""
+    lines = [f"drill of {r['stream']} epoch {r['epoch']}: "
+             f"{'passed' if r['passed'] else 'FAILED'} in {r['seconds']:.3f} s"]  # fmt: skip
+    for x in r["ranks"]:
+        why = f" ({x['detail']})" if x["detail"] else ""
+        lines.append(f"  rank {x['rank']} {x['domain']}: {x['outcome']}{why}, "
+                     f"{x['bytes']} bytes in {x['seconds']:.3f} s, {x['mb_s']} MB/s")  # fmt: skip
+    for name, d in sorted(r["domains"].items()):
+        lines.append(f"  domain {name}: {d['ranks']} ranks, {d['bytes']} bytes, {d['mb_s']} MB/s")
+    hook = r["hook"]
+    if hook is not None:
+        lines.append(f"  hook: exit {hook['exit']} in {hook['seconds']:.3f} s")
+        lines.extend("    " + line for line in hook["output"].splitlines()[-10:])
+    return "\n".join(lines)

@@ -200,6 +200,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("stream", metavar="STREAM")
     p.add_argument("--count", type=_natural, metavar="N", help="stop after N events")
+    p = add(
+        "drill",
+        "test-restore the restore point of STREAM for this node's ranks",
+        "Read every byte of the restore point (or EPOCH) of STREAM that this node's ranks "
+        "committed, check it against its commit, restore it into the daemon's scratch "
+        "folder if it has one and run its drill hook; report time and bandwidth per rank "
+        "and per domain. A checkpoint that no longer matches is retracted. Exit 1 when "
+        "the drill fails.",
+    )
+    p.add_argument("stream", metavar="STREAM")
+    p.add_argument("--epoch", type=_natural, metavar="E", help="drill EPOCH, not the restore point")
+    p.add_argument("--domain", metavar="D", help="only the copies in domain D")
     _add_gate(add)
     _add_versions(add)
     _add_top(add)

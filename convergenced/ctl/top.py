@@ -50,7 +50,9 @@ from convergenced.ctl.formatting import (
     _skew,
     _value,
     format_intervals,
+    format_last_drill,
     format_stored,
+    format_verification,
 )
 from convergenced.ctl.parser import EXIT_FAILED, EXIT_OK
 
@@ -276,6 +278,10 @@ def render_top(
         ("gc horizon", _value(state.get("gc_horizon"))),
         ("stored", format_stored(state)),
     ]
+    if verified := format_verification(state):
+        pairs.append(("verified", verified))
+    if drill := format_last_drill(state):
+        pairs.append(("last drill", drill))
     if state.get("missing"):
         pairs.append(("missing", _names(state["missing"])))
     if state.get("conflicts"):

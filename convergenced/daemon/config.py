@@ -27,6 +27,12 @@ from convergenced.daemon.fleet_config import (
     node_id_from_environment,
     parse_fleet,
 )
+from convergenced.daemon.verification.config import (
+    DrillConfig,
+    VerificationConfig,
+    parse_drill,
+    parse_verification,
+)
 from convergenced.discovery.contacts import (
     DiscoveryConfig,
     parse_address,
@@ -153,6 +159,10 @@ class Config:
     """Where peers come from besides ``[[peers]]`` (`convergenced.discovery`)."""
     fleet: FleetConfig = field(default_factory=FleetConfig)
     """Trust mode, advertised address and revocations (`fleet_config`)."""
+    verification: VerificationConfig = field(default_factory=VerificationConfig)
+    """How often and how fast the daemon re-reads its ranks' checkpoints."""
+    drill: DrillConfig = field(default_factory=DrillConfig)
+    """Scheduled test restores, their hook and scratch folder."""
     node_id_origin: str = "node_id"
     """Where the node id came from: the file, ``$CONVERGENCED_NODE_ID`` or the host name."""
     source: str = "<defaults>"
@@ -190,6 +200,7 @@ _TOP = {
     "tick_ms", "idle_ticks", "dead_ticks", "mesh_limit", "log_level", "limits",
     "wal_compact_bytes", "wal_group_commit", "insecure", "tls", "identity", "trust", "local",
     "metrics_listen", "components", "labels", "trust_mode", "advertise", "revocation", "discovery",
+    "verification", "drill",
 }  # fmt: skip
 
 
@@ -265,6 +276,8 @@ def parse(
             parse_discovery_table(raw["discovery"], source, port) if "discovery" in raw else None
         ),
         fleet=fleet,
+        verification=parse_verification(raw, source),
+        drill=parse_drill(raw, source),
         node_id_origin=origin,
         source=source,
     )

@@ -299,6 +299,8 @@ class Daemon:
             nursery.start_soon(self._report_node_events)
             nursery.start_soon(r.commits.compact_when_due, r.snapshot)
             nursery.start_soon(r.hub.run_timer)
+            nursery.start_soon(r.verifier.run)
+            nursery.start_soon(r.drills.run)
             self._prime_metrics()
             self._serve_http(nursery, listeners.metrics)
             r.fleet.on_members = self.apply_members

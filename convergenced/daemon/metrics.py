@@ -108,10 +108,29 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("membership_changes", "counter", S, "new member maps this node moved to (a spare "
        "replaced a host, the job shrank or grew); the log line `membership changed` names "
        "the members that left, joined and replaced others"),
+    _m("incomplete_recoveries", "counter", S, "recovery generations whose restore point one "
+       "of this node's ranks retracted before any of them committed again: it could not be "
+       "restored and the job needed another generation (each node whose ranks failed it "
+       "counts it: max by stream counts generations)"),
     _m("drain_requests", "counter", ("outcome",), "drain gate requests answered: `safe`, "
        "or `timeout` (not safe in time: the gate failed closed)"),
     _m("state_losses", "counter", (), "times this node learned of a life of its own it did not "
        "remember (its state directory was lost) and rose above it"),
+    # -- background verification (docs/verification.md)
+    _m("verifications", "counter", ("domain", "outcome"), "checkpoints of this node's ranks "
+       "read again and checked against their commit: `ok`, `mismatch`, `missing` or "
+       "`corrupt` (each retracted at once), `unreadable` or `unchecked` (no evidence: "
+       "kept)"),
+    _m("verified_bytes", "counter", D, "bytes the verifier read"),
+    _m("restore_point_verified_age_seconds", "gauge", ("stream", "domain"), "seconds since "
+       "the restore point last passed verification in the domain, or since it became the "
+       "restore point if it has not yet (only where this node's ranks hold it with a "
+       "location)"),
+    _m("drills", "counter", ("outcome",), "drills (test restores) run here: `passed`, or "
+       "`failed` (a checkpoint did not match its commit, or the hook failed); with "
+       "`verifications` the restore success ratio"),
+    _m("drill_load_bytes_per_second", "gauge", D, "load bandwidth of the last drill that "
+       "restored every rank's checkpoint in the domain"),
     # -- peers
     _m("peer_up", "gauge", P, "1 while an established link to the peer is up"),
     _m("peer_exchange_rtt_seconds", "histogram", P,
@@ -231,6 +250,9 @@ class StateCollector(Collector):
             gauge("drain_safe", [stream], 1.0 if s["drain_safe"] else 0.0)
             requested = s["checkpoint_requested"] is not None
             gauge("checkpoint_requested", [stream], 1.0 if requested else 0.0)
+            for domain, v in s.get("verification", {}).items():
+                if v["age_s"] is not None:
+                    gauge("restore_point_verified_age_seconds", [stream, domain], v["age_s"])
             own = s["newest"].get(src.node_id(), {})
             if rp is not None and own:
                 gauge("rpo_epochs", [stream], max(0, max(own.values()) - rp))

@@ -86,6 +86,8 @@ class Telemetry:
         self.spec_conflicts = _counter("spec_conflicts", r)
         self.state_losses = _counter("state_losses", r)
         self.membership_changes = _counter("membership_changes", r)
+        self.incomplete_recoveries = _counter("incomplete_recoveries", r)
+        self._incomplete_seen: set[tuple[str, int]] = set()
         self.api_errors = _counter("api_errors", r)
         self.frames_rejected = _counter("frames_rejected", r)
         self.records_rejected = _counter("records_rejected", r)
@@ -127,6 +129,7 @@ class Telemetry:
             self.rollbacks.labels(stream=stream)
             self.retractions.labels(stream=stream)
             self.membership_changes.labels(stream=stream)
+            self.incomplete_recoveries.labels(stream=stream)
             for domain in domains:
                 for outcome in ("accepted", "rejected"):
                     self.commits.labels(domain=domain, outcome=outcome)
@@ -173,7 +176,7 @@ class Telemetry:
         elif isinstance(fact, Undeclare):
             log.info("stream undeclared", stream=fact.stream)
             for family in (self.rollbacks, self.retractions, self.spec_conflicts, self.recovery,
-                           self.membership_changes):  # fmt: skip
+                           self.membership_changes, self.incomplete_recoveries):  # fmt: skip
                 with contextlib.suppress(KeyError):  # labels stay bounded by declared streams
                     family.remove(fact.stream)
             self._restore_point_since.pop(fact.stream, None)
@@ -200,6 +203,17 @@ class Telemetry:
     def recovered(self, stream: str, seconds: float) -> None:
         """A recovery generation this node asked for was answered after ``seconds``."""
         self.recovery.labels(stream=stream).set(seconds)
+
+    def incomplete_recovery(self, stream: str, generation: int, epoch: int) -> None:
+        """A rank could not restore ``epoch``, the restore point of ``generation`` (its
+        checkpoint was retracted): the job needs another generation. Counted once per
+        generation."""
+        if (stream, generation) in self._incomplete_seen:
+            return
+        self._incomplete_seen.add((stream, generation))
+        self.incomplete_recoveries.labels(stream=stream).inc()
+        log.warning("incomplete recovery: the restore point was lost during the restore",
+                    stream=stream, generation=generation, epoch=epoch)  # fmt: skip
 
     def drain_answered(self, safe: bool) -> None:
         """A drain request was answered: safe, or not before its timeout."""

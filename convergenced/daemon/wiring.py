@@ -32,6 +32,8 @@ from convergenced.daemon.peers.manager import PeerManager, link_config, overlay_
 from convergenced.daemon.peers.security import INSECURE_WARNING, PeerSecurity
 from convergenced.daemon.peers.session import PeerHub
 from convergenced.daemon.telemetry import Telemetry
+from convergenced.daemon.verification.drills import Drills
+from convergenced.daemon.verification.verifier import Verifier
 
 
 @dataclass
@@ -49,6 +51,8 @@ class Running:
     operations: LocalOperations
     api: LocalApiServer
     fleet: Fleet
+    verifier: Verifier
+    drills: Drills
     started: float = field(default_factory=trio.current_time)
     peer_port: int | None = None
     metrics_port: int | None = None
@@ -233,6 +237,11 @@ def assemble(
                             allowed_uids=cfg.allowed_uids,
                             allowed_gids=cfg.allowed_gids)  # fmt: skip
     peers = PeerManager(hub, security.transport, cfg)
+    verifier = Verifier(node, operations.submit, operations.durable, telemetry.registry,
+                        cfg.verification)  # fmt: skip
+    operations.verification = verifier.describe
+    drills = Drills(node, verifier, telemetry.registry, cfg.drill, cfg.state_dir)
+    operations.drill, operations.last_drill = drills.drill, drills.describe
     running = Running(cfg, node, gate, commits, telemetry, security, hub, peers,
-                      operations, server, fleet)  # fmt: skip
+                      operations, server, fleet, verifier, drills)  # fmt: skip
     return running

@@ -85,7 +85,12 @@ from convergenced.integrations.dcp_layout import (
     file_rank,
     rank_metadata_name,
 )
-from convergenced.integrations.dcp_storage import DcpStorage, files_digest, join
+from convergenced.integrations.dcp_storage import (
+    DcpStorage,
+    files_digest,
+    files_location,
+    join,
+)
 from convergenced.integrations.dcp_writer import CommittingWriter
 from convergenced.integrations.errors import (
     NoRestorePointError,
@@ -249,7 +254,8 @@ class DcpCheckpointer:
         """Commit this rank's ``names`` of ``epoch``; False when the daemon had retired it."""
         digest, size = files_digest(storage, names)
         try:
-            self.client.commit(self.stream, self.rank, self.domain, epoch, digest=digest, size=size)
+            self.client.commit(self.stream, self.rank, self.domain, epoch, digest=digest,
+                               size=size, location=files_location(storage, names))  # fmt: skip
         except ApiError as exc:
             if exc.reason != "retired":
                 raise
@@ -294,7 +300,8 @@ class DcpCheckpointer:
             if known is not None and known[0] == fingerprint:
                 try:
                     self.client.commit(self.stream, self.rank, self.domain, epoch,
-                                       digest=known[1], size=known[2])  # fmt: skip
+                                       digest=known[1], size=known[2],
+                                       location=files_location(storage, names))  # fmt: skip
                 except ApiError as exc:
                     if exc.reason != "retired":
                         raise

@@ -24,11 +24,12 @@ import contextlib
 import hashlib
 import os
 from collections.abc import Iterable
+from pathlib import Path
 from typing import IO, Any
 
 from convergenced import fsutil
 
-__all__ = ["DcpStorage", "files_digest", "join"]
+__all__ = ["DcpStorage", "files_digest", "files_location", "join"]
 
 _CHUNK = 1 << 20
 
@@ -162,6 +163,14 @@ class DcpStorage:
             if not self._fs.ls(self._root):
                 self._fs.rmdir(self._root)
         return not self.files()
+
+
+def files_location(storage: DcpStorage, names: Iterable[str]) -> dict[str, Any]:
+    """The ``location`` a commit of ``names`` in ``storage`` states, so the daemon can
+    verify them later by the recipe of `files_digest` (`convergenced.core.locations`)."""
+    where = os.fspath(storage.where)
+    url = where if "://" in where else Path(where).absolute().as_uri()
+    return {"kind": "files", "url": url, "names": sorted(names)}
 
 
 def files_digest(storage: DcpStorage, names: Iterable[str]) -> tuple[str, int]:

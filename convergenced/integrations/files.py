@@ -110,6 +110,7 @@ from convergenced.integrations.shards import (
     encode_shard,
     load_consistent,
     read_shard,
+    shard_location,
     shard_path,
 )
 from convergenced.integrations.store_api import (
@@ -331,9 +332,8 @@ class CheckpointStore:
         self.local.write(self.stream, epoch, self.rank, data)
         self.ledger.remember(self.local.domain, epoch, digest, size)
         try:
-            self.client.commit(
-                self.stream, self.rank, self.local.domain, epoch, digest=digest, size=size
-            )
+            self.client.commit(self.stream, self.rank, self.local.domain, epoch, digest=digest,
+                               size=size, location=shard_location(path))  # fmt: skip
         except ApiError as exc:
             if exc.reason != "retired":
                 raise
@@ -379,6 +379,7 @@ class CheckpointStore:
                     epoch,
                     digest=shard.digest,
                     size=shard.size,
+                    location=shard_location(self.path(remote, epoch)),
                 )
             except ApiError as exc:
                 if exc.reason != "retired":

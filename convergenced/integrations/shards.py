@@ -39,6 +39,7 @@ __all__ = [
     "encode_shard",
     "load_consistent",
     "read_shard",
+    "shard_location",
     "shard_path",
 ]
 
@@ -54,6 +55,13 @@ Payload: TypeAlias = bytes | dict[str, bytes]
 """What a rank saves: raw bytes, or named parts (model, optimizer, ...) as bytes."""
 
 _EPOCH_DIR = re.compile(r"^epoch-(0|[1-9][0-9]*)$")
+
+
+def shard_location(where: Path | str) -> dict[str, str]:
+    """The ``location`` a commit of the shard at ``where`` (a path, or an object's URL)
+    states, so the daemon can verify it later (`convergenced.core.locations`)."""
+    url = where if isinstance(where, str) and "://" in where else Path(where).absolute().as_uri()
+    return {"kind": "shard", "url": url}
 
 
 # -- data -----------------------------------------------------------------------------

@@ -218,7 +218,15 @@ class DaemonClient(Protocol):
     def status(self) -> dict[str, Any]: ...
 
     def commit(
-        self, stream: str, rank: int, domain: str, epoch: int, *, digest: str = "", size: int = 0
+        self,
+        stream: str,
+        rank: int,
+        domain: str,
+        epoch: int,
+        *,
+        digest: str = "",
+        size: int = 0,
+        location: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]: ...
 
     def retract(self, stream: str, rank: int, domain: str, epoch: int) -> dict[str, Any]: ...

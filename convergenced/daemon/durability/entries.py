@@ -60,6 +60,7 @@ def encode_entry(entry: Entry) -> list[Any]:
             entry.epoch,
             entry.digest,
             entry.size,
+            *([entry.location] if entry.location else []),
         ]
     if isinstance(entry, Retract):
         return ["retract", entry.stream, entry.rank, entry.domain, entry.epoch]
@@ -128,8 +129,10 @@ def decode_entry(obj: Any) -> Entry:
             (stream,) = args
             return Undeclare(stream)
         if kind == "commit":
-            stream, rank, domain, epoch, digest, size = args
-            return Commit(stream, rank, domain, epoch, digest, size)
+            stream, rank, domain, epoch, digest, size, *where = args
+            if len(where) > 1 or not all(isinstance(w, str) for w in where):
+                raise ValueError("bad commit location")
+            return Commit(stream, rank, domain, epoch, digest, size, *where)
         if kind == "retract":
             return Retract(*args)
         if kind == "retire":

@@ -41,7 +41,7 @@ from convergenced.core.drain import (
     member_streams,
 )
 from convergenced.core.errors import FactError
-from convergenced.core.facts import Commit, Declare, Fact
+from convergenced.core.facts import Commit, Declare, Fact, Retract
 from convergenced.core.local_api_codec import ApiError, ErrorKind
 from convergenced.core.node import NodeCore
 from convergenced.daemon.localapi.watches import Snapshot, StreamFeed
@@ -84,6 +84,12 @@ class LocalOperations:
         """The watched streams' feeds, while a watch of them is open."""
         self.checkpoints = CheckpointRequests()
         """The checkpoints drains in progress ask the jobs for."""
+        self.verification: Callable[[str], dict[str, Any]] = lambda stream: {}
+        """The ``verification`` part of a stream's state (the daemon's verifier)."""
+        self.last_drill: Callable[[str], dict[str, Any] | None] = lambda stream: None
+        """The ``drill`` part of a stream's state (the daemon's drills)."""
+        self.drill: Callable[[str, int | None, str | None], Awaitable[dict[str, Any]]] = _no_drills
+        """Runs a drill (`verification.drills.Drills.drill`)."""
 
     # -- facts ------------------------------------------------------------------
 
@@ -109,7 +115,16 @@ class LocalOperations:
         else:
             self.telemetry.fact_applied(fact)
             self.hub.view_changed()
+            if isinstance(fact, Retract):
+                self._note_failed_restore(fact)
         return admitted.reply
+
+    def _note_failed_restore(self, fact: Retract) -> None:
+        """Count an incomplete recovery: ``fact`` retracts the restore point of the
+        generation the job is restoring from, so it needs another generation."""
+        recovering = self.node.recovering_from(fact.stream)
+        if recovering is not None and recovering[1] == fact.epoch:
+            self.telemetry.incomplete_recovery(fact.stream, *recovering)
 
     def submit_commits(self, commits: Sequence[Commit]) -> list[dict[str, Any] | ApiError]:
         """`submit` each of ``commits`` in turn, applied together
@@ -157,7 +172,10 @@ class LocalOperations:
         """The state of ``stream`` as this node sees it."""
         self.admission.known(stream)
         status = self.node.status(stream)
-        return results.status_to_wire(status, self.checkpoints.pending(status))
+        out = results.status_to_wire(status, self.checkpoints.pending(status))
+        out["verification"] = self.verification(stream)
+        out["drill"] = self.last_drill(stream)
+        return out
 
     def streams(self) -> list[str]:
         """Streams declared on this node."""
@@ -367,6 +385,10 @@ class LocalOperations:
                 del self.feeds[stream]
 
 
+async def _no_drills(stream: str, epoch: int | None, domain: str | None) -> dict[str, Any]:
+    raise ApiError(ErrorKind.UNAVAILABLE, "unavailable", "this daemon runs no drills")
+
+
 def log_failed(exc: BaseException) -> ApiError:
     """The error every request gets once the log failed."""
     return ApiError(
@@ -406,6 +428,11 @@ async def _drain(ops: LocalOperations, a: Args, emit: Emit) -> Any:
     return await ops.drain(a["node"], a["streams"], a["checkpoint"], a["timeout"], a["versions"])
 
 
+async def _drill(ops: LocalOperations, a: Args, emit: Emit) -> Any:
+    ops.admission.known(a["stream"])
+    return await ops.drill(a["stream"], a["epoch"], a["domain"])
+
+
 async def _watch(ops: LocalOperations, a: Args, emit: Emit) -> Any:
     await ops.watch(a["stream"], emit)
 
@@ -439,6 +466,7 @@ OPERATIONS: dict[str, Operation] = {
     "next_generation": Operation(OpKind.WAIT, _next_generation),
     "watch": Operation(OpKind.WAIT, _watch),
     "drain": Operation(OpKind.WAIT, _drain),
+    "drill": Operation(OpKind.WAIT, _drill),
     "cancel": Operation(OpKind.SESSION, _session),
 }
 """Every operation of the local API, by name."""

@@ -1,0 +1,126 @@
+"""``[verification]``: how often the daemon reads its ranks' checkpoints again, and how
+fast; ``[drill]``: test restores on a schedule (docs/verification.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from convergenced.core.validate import NAME_RE
+from convergenced.errors import ConfigError
+
+DEFAULT_PERIOD_S: Final = 3600.0
+DEFAULT_BANDWIDTH_MB_S: Final = 50.0
+"""A fraction of one NVMe drive or object-store connection: verification must not
+compete with training I/O (a checkpoint save, a data loader)."""
+_KEYS: Final = {"period_s", "bandwidth_mb_s"}
+
+
+@dataclass(frozen=True, slots=True)
+class VerificationConfig:
+    """``[verification]`` (every key optional)."""
+
+    period_s: float = DEFAULT_PERIOD_S
+    """A pass over every retained epoch that has a location starts this often (a pass
+    that takes longer is followed at once by the next). 0 turns verification off."""
+    bandwidth_mb_s: float = DEFAULT_BANDWIDTH_MB_S
+    """The most the verifier reads, in MB (10^6 bytes) per second on average; 0: no cap."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the verifier runs."""
+        return self.period_s > 0
+
+    @property
+    def bytes_per_s(self) -> float:
+        """The cap in bytes per second (0: none)."""
+        return self.bandwidth_mb_s * 1e6
+
+
+def parse_verification(raw: Mapping[str, Any], source: str) -> VerificationConfig:
+    """Validate the ``[verification]`` table of ``raw`` (absent: the defaults).
+
+    Raises:
+        ConfigError: naming the key.
+    """
+    table = raw.get("verification", {})
+    if not isinstance(table, Mapping):
+        raise ConfigError(source, "verification", "expected a table")
+    for key in table:
+        if key not in _KEYS:
+            raise ConfigError(
+                source, f"verification.{key}", f"unknown key; expected one of {sorted(_KEYS)}"
+            )
+
+    def seconds(key: str, default: float, hi: float) -> float:
+        value = table.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= hi:
+            raise ConfigError(source, f"verification.{key}", f"{value!r}; expected 0 to {hi:g}")
+        return float(value)
+
+    return VerificationConfig(
+        period_s=seconds("period_s", DEFAULT_PERIOD_S, 30 * 24 * 3600.0),
+        bandwidth_mb_s=seconds("bandwidth_mb_s", DEFAULT_BANDWIDTH_MB_S, 1e6),
+    )
+
+
+_DRILL_KEYS: Final = {"every_s", "streams", "hook", "scratch"}
+MAX_HOOK_ARGS: Final = 64
+
+
+@dataclass(frozen=True, slots=True)
+class DrillConfig:
+    """``[drill]`` (every key optional)."""
+
+    every_s: float = 0.0
+    """A drill of each stream runs this often (0: only on request)."""
+    streams: tuple[str, ...] = ()
+    """The streams scheduled drills restore (empty: every stream declared here)."""
+    hook: tuple[str, ...] = ()
+    """A command run after the bytes were restored and checked (its argv; empty:
+    none); exit status 0 passes the drill."""
+    scratch: Path | None = None
+    """Where drills restore the bytes to (removed afterwards); None: they are read and
+    checked only."""
+
+
+def parse_drill(raw: Mapping[str, Any], source: str) -> DrillConfig:
+    """Validate the ``[drill]`` table of ``raw`` (absent: the defaults).
+
+    Raises:
+        ConfigError: naming the key.
+    """
+    table = raw.get("drill", {})
+    if not isinstance(table, Mapping):
+        raise ConfigError(source, "drill", "expected a table")
+    for key in table:
+        if key not in _DRILL_KEYS:
+            raise ConfigError(source, f"drill.{key}",
+                              f"unknown key; expected one of {sorted(_DRILL_KEYS)}")  # fmt: skip
+    every = table.get("every_s", 0)
+    if isinstance(every, bool) or not isinstance(every, int | float) or not 0 <= every <= 1e8:
+        raise ConfigError(source, "drill.every_s", f"{every!r}; expected seconds, 0 for none")
+    if 0 < every < 1:
+        raise ConfigError(source, "drill.every_s", f"{every!r}; at least 1 second")
+
+    def strings(key: str, limit: int, check: Callable[[str], bool], what: str) -> tuple[str, ...]:
+        value = table.get(key, [])
+        if (
+            not isinstance(value, list)
+            or len(value) > limit
+            or not all(isinstance(v, str) and check(v) for v in value)
+        ):
+            raise ConfigError(source, f"drill.{key}", f"{value!r}; expected a list of {what}")
+        return tuple(value)
+
+    streams = strings("streams", 1024, lambda v: bool(NAME_RE.match(v)), "stream names")
+    hook = strings("hook", MAX_HOOK_ARGS, lambda v: 0 < len(v) <= 4096 and "\0" not in v,
+                   "arguments (the command, then its arguments)")  # fmt: skip
+    if hook and not Path(hook[0]).is_absolute():
+        raise ConfigError(source, "drill.hook", f"{hook[0]!r}: name the command by its full path")
+    scratch = table.get("scratch")
+    if scratch is not None and (not isinstance(scratch, str) or not Path(scratch).is_absolute()):
+        raise ConfigError(source, "drill.scratch", f"{scratch!r}; expected an absolute path")
+    return DrillConfig(float(every), streams, hook, None if scratch is None else Path(scratch))
