@@ -23,8 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from daemons import LocalCluster
+from s3server import S3Bucket, require_s3fs
 
 from convergenced.integrations.files import CheckpointStore, Tier
+from convergenced.integrations.objectstore import ObjectTier
 
 STREAM = "job"
 PERIOD_S = 0.3
@@ -218,3 +220,31 @@ def test_a_drill_restores_the_restore_point_and_reports_its_figures(tmp_path: Pa
         assert code == 1 and "unknown_stream" in out, out
         for store in stores:
             store.close()
+
+
+def test_the_verifier_reads_an_object_store_and_retracts_a_rotten_object(
+    tmp_path: Path, s3_bucket: S3Bucket
+) -> None:
+    """The remote tier's commits carry ``s3://`` locations; the daemon reads them through
+    fsspec's S3 filesystem with the standard AWS configuration of its environment (here,
+    the real S3 API server's)."""
+    require_s3fs()
+    with LocalCluster(1, extra=EXTRA) as cluster:  # started inside the bucket's environment
+        cluster.start_all()
+        client = cluster.client(1)
+        stream = LocalCluster.declare_solo(client, STREAM, "nvme", "s3", mode="any")
+        remote = ObjectTier("s3", f"{s3_bucket.url}/ckpt")
+        with CheckpointStore(client, stream, 0, Tier("nvme", tmp_path / "nvme"), remote) as store:
+            store.save(1, b"first" * 100)
+            store.save(2, b"second" * 100)
+            store.flush(timeout=20)
+            _eventually(lambda: _metrics(cluster, 1).get(
+                'convergenced_verifications_total{domain="s3",outcome="ok"}', 0) >= 2)  # fmt: skip
+            key = remote.key(stream, 2, 0)
+            body = s3_bucket.client.get_object(Bucket=s3_bucket.name, Key=key)["Body"].read()
+            rotten = body[:-1] + bytes([body[-1] ^ 0xFF])  # bit rot in the bucket
+            s3_bucket.client.put_object(Bucket=s3_bucket.name, Key=key, Body=rotten)
+            _eventually(lambda: client.state(stream)["newest"]["node-1"] == {"nvme": 2, "s3": 1})
+            m = _metrics(cluster, 1)
+            assert m['convergenced_verifications_total{domain="s3",outcome="mismatch"}'] == 1
+            assert client.state(stream)["restore_point"] == 2  # the local copy keeps it

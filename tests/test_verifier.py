@@ -257,3 +257,16 @@ def test_state_and_top_say_how_long_ago_the_restore_point_was_verified_and_drill
     assert format_verification(st) == "nvme 12 s ago, pfs not yet (last: mismatch at 10)"
     assert format_last_drill(st) == "epoch 9 passed 200 s ago, nvme 812.5 MB/s"
     assert format_verification({}) == "" and format_last_drill({"drill": None}) == ""
+
+
+async def test_a_reader_that_fails_unexpectedly_is_unreadable_not_fatal(tmp_path: Path) -> None:
+    node = _Node(_spec("nvme"))
+    node.core.apply_many([_write_shard(tmp_path, "nvme", r, 1) for r in (0, 1)])
+
+    async def broken(fn: Callable[[], Any]) -> Any:
+        raise TypeError("a filesystem's own bug")
+
+    v = Verifier(node.core, node.submit, node.durable, CollectorRegistry(), VerificationConfig(),
+                 run_blocking=broken)  # fmt: skip
+    outcomes = await v.verify_pass()
+    assert {o.result for o in outcomes} == {"unreadable"} and node.retracted == []

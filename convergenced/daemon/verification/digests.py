@@ -156,12 +156,27 @@ def _shard(loc: Location, throttle: Throttle, into: Path | None) -> tuple[str, i
         head = f.read(len(SHARD_MAGIC))
         if head != SHARD_MAGIC:
             raise Corrupt(f"{loc.url}: not a shard file (no CVGSHARD1 header)")
-        line = f.readline(MAX_SHARD_HEADER)
+        line = _header_line(f)
         if not line.endswith(b"\n"):
             raise Corrupt(f"{loc.url}: the shard header has no end")
         sink.write(head + line)
         h = hashlib.sha256()
         return _finish(h, _copy(f, h, throttle, sink))
+
+
+def _header_line(f: IO[bytes]) -> bytes:
+    """The rest of the header line, newline included, at most `MAX_SHARD_HEADER` bytes
+    (fsspec's files take no limit in ``readline``: read a byte at a time, as the
+    header is short and the file buffered)."""
+    out = bytearray()
+    while len(out) < MAX_SHARD_HEADER:
+        b = f.read(1)
+        if not b:
+            break
+        out += b
+        if b == b"\n":
+            break
+    return bytes(out)
 
 
 def _finish(h: hashlib._Hash, size: int) -> tuple[str, int]:

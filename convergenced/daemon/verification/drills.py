@@ -171,6 +171,9 @@ class Drills:
         except (Missing, Corrupt, Unreadable) as exc:
             outcome = {Missing: "missing", Corrupt: "corrupt"}.get(type(exc), "unreadable")
             detail = str(exc)
+        except Exception as exc:  # a reader's own bug (fsspec, a filesystem): never fatal
+            outcome, detail = "unreadable", f"{check.location.url}: {exc!r}"
+            log.error("drill: the reader failed", url=check.location.url, error=repr(exc))
         else:
             outcome, detail = self.verifier.judge(check, digest, size)
         if outcome in ("mismatch", "missing", "corrupt"):

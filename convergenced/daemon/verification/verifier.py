@@ -201,6 +201,9 @@ class Verifier:
             result, detail = "corrupt", str(exc)
         except Unreadable as exc:
             result, detail = "unreadable", str(exc)
+        except Exception as exc:  # a reader's own bug (fsspec, a filesystem): never fatal
+            result, detail = "unreadable", f"{check.location.url}: {exc!r}"
+            log.error("verification: the reader failed", url=check.location.url, error=repr(exc))
         else:
             result, detail = self.judge(check, digest, size)
         self.outcomes.labels(domain=check.domain, outcome=result).inc()
