@@ -270,3 +270,21 @@ async def test_a_reader_that_fails_unexpectedly_is_unreadable_not_fatal(tmp_path
                  run_blocking=broken)  # fmt: skip
     outcomes = await v.verify_pass()
     assert {o.result for o in outcomes} == {"unreadable"} and node.retracted == []
+
+
+async def test_a_hook_that_hangs_is_killed_and_its_output_kept_short(tmp_path: Path) -> None:
+    import sys
+
+    from convergenced.daemon.verification.config import DrillConfig
+    from convergenced.daemon.verification.drills import HOOK_OUTPUT_CHARS, Drills
+
+    node = _Node(_spec("nvme"))
+    node.core.apply_many([_write_shard(tmp_path, "nvme", r, 1) for r in (0, 1)])
+    hook = (sys.executable, "-c", "import time; print('x' * 100000, flush=True); time.sleep(60)")
+    config = DrillConfig(hook=hook, hook_timeout_s=1.0)
+    drills = Drills(node.core, node.verifier(), CollectorRegistry(), config, tmp_path)
+    result = await drills.drill(STREAM)
+    assert [r["outcome"] for r in result["ranks"]] == ["ok", "ok"]
+    assert not result["passed"] and result["hook"]["exit"] == -1
+    assert result["hook"]["output"].endswith("(killed after 1 s)")
+    assert len(result["hook"]["output"]) < HOOK_OUTPUT_CHARS + 100

@@ -66,7 +66,7 @@ def parse_verification(raw: Mapping[str, Any], source: str) -> VerificationConfi
     )
 
 
-_DRILL_KEYS: Final = {"every_s", "streams", "hook", "scratch"}
+_DRILL_KEYS: Final = {"every_s", "streams", "hook", "scratch", "hook_timeout_s"}
 MAX_HOOK_ARGS: Final = 64
 
 
@@ -84,6 +84,8 @@ class DrillConfig:
     scratch: Path | None = None
     """Where drills restore the bytes to (removed afterwards); None: they are read and
     checked only."""
+    hook_timeout_s: float = 3600.0
+    """A hook still running after this long is killed, and fails the drill."""
 
 
 def parse_drill(raw: Mapping[str, Any], source: str) -> DrillConfig:
@@ -123,4 +125,8 @@ def parse_drill(raw: Mapping[str, Any], source: str) -> DrillConfig:
     scratch = table.get("scratch")
     if scratch is not None and (not isinstance(scratch, str) or not Path(scratch).is_absolute()):
         raise ConfigError(source, "drill.scratch", f"{scratch!r}; expected an absolute path")
-    return DrillConfig(float(every), streams, hook, None if scratch is None else Path(scratch))
+    timeout = table.get("hook_timeout_s", 3600.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout <= 1e6:
+        raise ConfigError(source, "drill.hook_timeout_s", f"{timeout!r}; expected seconds above 0")
+    return DrillConfig(float(every), streams, hook, None if scratch is None else Path(scratch),
+                       float(timeout))  # fmt: skip

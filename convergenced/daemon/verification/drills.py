@@ -57,6 +57,8 @@ KEEP_RECORDS: Final = 256
 RECORDS_NAME: Final = "drills.jsonl"
 HOOK_OUTPUT_CHARS: Final = 2000
 """The tail of a hook's output kept in the result."""
+HOOK_OUTPUT_NAME: Final = "drill-hook.log"
+"""Where the last hook's output is written, beside ``drills.jsonl``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,16 +194,22 @@ class Drills:
             ]),
         }  # fmt: skip
         start = self._clock()
+        # Its output goes to a file, not into memory: a chatty hook must not grow the
+        # daemon; the result keeps the tail.
+        output = self.records.with_name(HOOK_OUTPUT_NAME)
+        code: int | None = None
         try:
-            done = await trio.run_process(
-                list(self.config.hook), env=env, check=False, capture_stdout=True,
-                stderr=subprocess.STDOUT,
-            )  # fmt: skip
-            code, out = done.returncode, done.stdout.decode(errors="replace")
+            with output.open("wb") as sink, trio.move_on_after(self.config.hook_timeout_s):
+                done = await trio.run_process(list(self.config.hook), env=env, check=False,
+                                              stdout=sink, stderr=subprocess.STDOUT)  # fmt: skip
+                code = done.returncode
+            out = await self._run_blocking(partial(_tail, output))
+            if code is None:
+                out += f"\n(killed after {self.config.hook_timeout_s:g} s)"
+                code = -1
         except OSError as exc:
             code, out = -1, f"could not run {self.config.hook[0]}: {exc}"
-        return {"exit": code, "seconds": round(self._clock() - start, 3),
-                "output": out[-HOOK_OUTPUT_CHARS:]}  # fmt: skip
+        return {"exit": code, "seconds": round(self._clock() - start, 3), "output": out}
 
     def _result(
         self, reads: list[_Read], hook: dict[str, Any] | None, passed: bool, seconds: float
@@ -277,6 +285,14 @@ class Drills:
         return {"epoch": r["epoch"], "passed": r["passed"], "age_s": self._clock() - at,
                 "seconds": r["seconds"],
                 "mb_s": {d: v["mb_s"] for d, v in r["domains"].items()}}  # fmt: skip
+
+
+def _tail(path: Path) -> str:
+    """The last `HOOK_OUTPUT_CHARS` bytes of ``path``, as text."""
+    with path.open("rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(0, size - HOOK_OUTPUT_CHARS))
+        return f.read().decode(errors="replace")
 
 
 def _append_record(path: Path, result: dict[str, Any]) -> None:
