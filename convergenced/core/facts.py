@@ -227,9 +227,13 @@ class Settled:
     to and adopted what they told of its earlier lives (`lives`, rule 2): after a
     restart from the log it knows its past of the stream and does not wait again.
 
+    ``taken_below``: generations below it may be resolved somewhere (the members'
+    records showed them, `lives` rule 4); a relaunch is numbered above them.
+
     Produced by the core; losing it only makes the node wait again after a crash."""
 
     stream: str
+    taken_below: int = 0
 
 
 Fact = (
