@@ -121,7 +121,8 @@ def test_a_crash_before_it_heard_from_every_member_leaves_it_unsure() -> None:
     again.receive(list(b.view), via="b")
     assert again.waiting_to_freeze(STREAM) == ()
     facts = pending_facts(again)
-    assert Freeze(STREAM, 1, old_set) in facts and Settled(STREAM) in facts
+    # Settled keeps generation 1, which b's record shows, as taken (rule 4).
+    assert Freeze(STREAM, 1, old_set) in facts and Settled(STREAM, 2) in facts
     assert again.next_generation(STREAM) == 2
     # Once settled, the next restart knows its past and waits for no one.
     third = NodeCore("a", 5)
@@ -265,6 +266,7 @@ def test_a_record_from_its_origin_below_our_evidence_says_the_origin_lost_its_st
     commit(a2, 1, 2, 3)
     hello(a2, b2)
     a2.told_all_of_ours("b")
+    a2.receive([r for r in b2.view if r.origin == "b"], via="b")  # b's own (rule 4)
     mine = a2.own_record(STREAM)
     assert mine is not None and mine.stamp < last.stamp
     b2.receive([mine], via="c")  # a relay: still below the evidence, still ignored

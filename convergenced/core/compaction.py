@@ -53,8 +53,9 @@ class Compaction:
         for name in sorted(self._streams):
             f = self._streams[name].facts
             out.append(Declare(f.spec))
-            if self._lives.unsure and self._streams[name].settled:
-                out.append(Settled(name))
+            taken = f.generations.taken_below
+            if (self._lives.unsure and self._streams[name].settled) or taken:
+                out.append(Settled(name, taken))
             out.extend(f.compacted())
             # The digests and sizes held, as commits, each before the frozen sets of
             # the generations frozen after it was applied (see `Content.after`).

@@ -46,7 +46,7 @@ from collections.abc import Callable
 from convergenced.core.agreement import StreamAgreement
 from convergenced.core.errors import FactError, SpecConflictError, SpecError, UnknownStreamError
 from convergenced.core.events import MembershipChanged, NodeEvent, RestorePointChanged
-from convergenced.core.facts import HighWater, StreamFacts, Undeclare
+from convergenced.core.facts import Fact, HighWater, StreamFacts, Undeclare
 from convergenced.core.generations import MembershipSupersededError
 from convergenced.core.interval_set import IntervalSet
 from convergenced.core.lives import PastLives
@@ -145,7 +145,7 @@ class Declarations:
         name = spec.name
         if name in self._streams or self.node_id not in spec.member_ids:
             return
-        if self._lives.waiting_for(name, spec.member_ids):
+        if self._lives.waiting_for(name, spec.member_ids, self.view):
             return
         old = self.view.get((name, self.node_id))
         if old is not None and self.made_here_record(old) and old.spec_digest == spec.digest:
@@ -168,7 +168,8 @@ class Declarations:
         (see the module docstring)."""
         st = self._streams.pop(fact.stream)
         gens = st.generations
-        floor = max([gens.closed_below, *(g + 1 for g in (*gens.frozen, *gens.answers))])
+        floor = max([gens.closed_below, gens.taken_below,
+                     *(g + 1 for g in (*gens.frozen, *gens.answers))])  # fmt: skip
         self.close_undeclared(fact.stream, floor)
         if st.facts.high_water is not None:
             self.keep_undeclared_high_water(fact.stream, st.facts.high_water)
@@ -193,6 +194,14 @@ class Declarations:
         node in its evidence (an adopted mark) and of no membership (it never stands
         in for a restore point)."""
         return HighWater(stream, epoch, ((self.node_id, 0, 0),), None)
+
+    def _kept_high_water(self, fact: Fact) -> bool:
+        """Whether ``fact`` is the mark of a stream undeclared here, as compaction
+        writes it (`undeclared_high_water_fact`); any other fact of a stream not
+        declared here is refused."""
+        return isinstance(fact, HighWater) and fact == self.undeclared_high_water_fact(
+            fact.stream, fact.epoch
+        )
 
     def generations_closed_below(self, stream: str) -> int:
         """Every generation of ``stream`` below this is closed here, whether the stream

@@ -45,8 +45,7 @@ class Declare:
 
 @dataclass(frozen=True, slots=True)
 class Undeclare:
-    """The job removed ``stream`` from this node: its facts are forgotten, and the
-    node tells the other members it holds nothing of it any more (PROTOCOL.md 7.4)."""
+    """The job removed ``stream`` from this node: its facts are forgotten (PROTOCOL.md 7.4)."""
 
     stream: str
 
@@ -95,8 +94,7 @@ class Stored:
     there and neither retracted nor retired (`StreamFacts.stored`)."""
 
     bytes: int
-    """The sum of the sizes their commits stated, over ranks and epochs (a commit that
-    stated no size counts 0)."""
+    """The sum of the sizes their commits stated (none stated: 0), over ranks and epochs."""
     epochs: int
     """How many epochs at least one of the ranks holds there."""
 
@@ -228,10 +226,12 @@ class Settled:
     """This node, unsure of its past, heard from every member of ``stream`` it links
     to and adopted what they told of its earlier lives (`lives`, rule 2): after a
     restart from the log it knows its past of the stream and does not wait again.
-
     Produced by the core; losing it only makes the node wait again after a crash."""
 
     stream: str
+    taken_below: int = 0
+    """Generations below it may be resolved somewhere (the members' records showed
+    them, `lives` rule 4): a relaunch is numbered above them."""
 
 
 Fact = (

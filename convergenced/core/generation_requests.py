@@ -39,6 +39,7 @@ class GenerationRequests:
 
     _stream: Callable[[str], StreamState]  # NodeCore's
     generations_closed_below: Callable[[str], int]  # Declarations'
+    waiting_to_freeze: Callable[[str], tuple[str, ...]]  # EarlierLives'
 
     def freeze_fact(self, stream: str, generation: int) -> Freeze | None:
         """The `Freeze` fact to persist for our first request of ``generation``.
@@ -92,7 +93,7 @@ class GenerationRequests:
             # Not declared here (a spare about to take over ranks): answer from the
             # records of every origin, once this node knows its past.
             lives = self._lives
-            if lives.unsure and (not lives.heard or lives.waiting_for(stream, lives.plan or [])):
+            if lives.unsure and (not lives.heard or self.waiting_to_freeze(stream)):
                 return None
             own = Generations(stream, closed_below=self.generations_closed_below(stream))
         elif not st.settled:

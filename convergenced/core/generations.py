@@ -36,12 +36,14 @@ chooses. The rules:
 6. **A relaunch opens a new generation** (`next_generation`): one rank of the new
    launch asks its daemon for the number and hands it to the launch's other ranks,
    instead of a launcher's counter (which starts again at 0 with every new launch).
-   The number is above every generation this node froze, resolved or closed, and
-   every one in the members' records. No member can have resolved it (that needed
-   this node's frozen set of it, which this node remembers, or adopts from its peers
-   when it lost its state), so the launch gets the answer of its own frozen sets,
-   never the final answer of an older launch, and all its ranks get the same one
-   (rule 2).
+   The number is above every generation this node froze, resolved or closed, every
+   one in the members' records, and every one this node keeps as *taken*: those the
+   members' records carried when it settled a stream after losing its state
+   (`lives`, rule 4). No member can have resolved it (that needed this node's frozen
+   set of it, which this node remembers, or adopts from its peers when it lost its
+   state, or, when no peer holds that any more, learns of from the members that kept
+   their own), so the launch gets the answer of its own frozen sets, never the final
+   answer of an older launch, and all its ranks get the same one (rule 2).
 7. **Freezes go forward.** A rank's request never freezes a generation below one this
    node froze or resolved (`check_request`): it comes from a launch that a newer one
    superseded (a rank of a dead launch whose request arrives late). Its frozen set
@@ -198,14 +200,14 @@ def next_generation(
     numbers in the members' records, and ``memberships``, the memberships declared
     here and in them.
 
-    Above every generation of ``own`` (open, resolved here, or closed), every one
-    published and every membership declared (rule 8: so the launch may declare a new
-    member map from it on); 0 when none is known.
+    Above every generation of ``own`` (open, resolved here, closed or taken), every
+    one published and every membership declared (rule 8: so the launch may declare a
+    new member map from it on); 0 when none is known.
 
     Raises:
         GenerationsExhaustedError: generation 2^63 - 1 is known already.
     """
-    top = max([*own.frozen, *own.answers, *published, *memberships], default=-1)
+    top = max([*own.frozen, *own.answers, *published, *memberships, own.taken_below - 1])
     if top >= INT64_MAX:
         raise GenerationsExhaustedError(own.stream)
     return max(own.closed_below, top + 1)
@@ -225,6 +227,11 @@ class Generations:
     membership: int = 0
     """The stream's current membership (rule 8): generations below it were frozen
     under an older member map and never resolve here."""
+    taken_below: int = 0
+    """Generations below this may be resolved somewhere, though this node knows
+    nothing of them: the members' records showed them when it settled the stream
+    after losing its state (`lives`, rule 4; a durable fact, `Settled`). A relaunch
+    is numbered above them (rule 6); nothing else changes."""
 
     def state(self, generation: int) -> GenerationState:
         """The state of ``generation`` (see `GenerationState`)."""
@@ -307,6 +314,10 @@ class Generations:
         """Record the final answer of a FROZEN generation (rule 2)."""
         self._fire(generation, GenEv.RESOLVE)
         self.answers[generation] = answer
+
+    def take_below(self, below: int) -> None:
+        """Keep every generation below ``below`` as taken (see `taken_below`)."""
+        self.taken_below = max(self.taken_below, below)
 
     def close_below(self, below: int) -> bool:
         """Close every generation below ``below`` (rule 4); return whether any changed."""

@@ -27,13 +27,13 @@ members may already have used. The rules:
    at 1 and relies on rule 3 to rise above its earlier lives. Per stream, it
    publishes nothing, reports no restore point, declares nothing safe to delete and
    freezes no generation until it has heard from every member of the stream it
-   links to: their HELLO, and then their first message that carries no record of
-   its origin (a peer sends those first, so that message means it holds no more; an
-   announced stamp it does not send was only evidence). A node that replayed a log
-   knows its last incarnation and starts above it: no such wait, unless that log was
-   written by a life still unsure of its past (its `Incarnation` says so): then the
-   node is unsure again of every stream that life had not settled (`Settled`), since
-   the log holds nothing of that past.
+   links to: their HELLO, then the records of its origin that the HELLO's summary
+   lists (a peer sends those first; an announced stamp it does not send was only
+   evidence), and their own record of the stream, as the summary lists it (rule 4).
+   A node that replayed a log knows its last incarnation and starts above it: no
+   such wait, unless that log was written by a life still unsure of its past (its
+   `Incarnation` says so): then the node is unsure again of every stream that life
+   had not settled (`Settled`), since the log holds nothing of that past.
 3. **A life it does not remember is above it.** A record of its own origin that it
    did not make in this life (a higher incarnation, or its own incarnation with a
    version it never reached) means its state was lost, or a twin uses its key. It
@@ -46,8 +46,21 @@ members may already have used. The rules:
    frozen sets of generations it knows nothing of (so every member keeps answering
    those generations from the same inputs, S2). Then it publishes what it really
    holds now: its old claims are superseded by an honest record.
+4. **Members tell which generations are taken.** A generation resolves only with
+   every member's frozen set, so a member that kept its log remembers every
+   generation resolved anywhere (open, resolved, or closed below a newer one it
+   resolved), and its own record carries it or a newer one. The record of ours
+   that rule 3 adopts from may be gone from every view: the members that resolved
+   with it may have lost their state too, and a peer that merely restarted rebuilt
+   its view of the others from scratch (simulator seed 206217). So the node waits
+   for the members' own records too (a HELLO summary lists the sender's own records
+   right after the peer's), and as it settles a stream it keeps every generation
+   the records it holds carry, and every membership they declare, as *taken*: its
+   `Settled` fact carries the bound, and a relaunch it numbers is above it
+   (`generations`, rule 6), after a restart too, when the view that showed them is
+   gone.
 
-`PastLives` keeps what rules 2 and 3 need; `EarlierLives`, NodeCore's part of the
+`PastLives` keeps what rules 2 to 4 need; `EarlierLives`, NodeCore's part of the
 rules, acts on it.
 """
 
@@ -86,10 +99,18 @@ class PastLives:
     """Whether the loss was reported (`StateLost`, once per process)."""
     newest: dict[str, Record] = field(default_factory=dict)
     """Per stream, the newest record of ours from a life we do not remember."""
+    announced: dict[str, dict[str, Stamp]] = field(default_factory=dict)
+    """Per peer, per stream: the stamp of the peer's own record of the life it runs,
+    as its last HELLO listed it (rule 4)."""
 
-    def hello(self, peer: str, own: Iterable[tuple[str, Stamp]]) -> None:
-        """``peer``'s HELLO arrived; ``own``: (stream, stamp) of our records it holds."""
+    def hello(
+        self, peer: str, own: Iterable[tuple[str, Stamp]], theirs: dict[str, Stamp] | None = None
+    ) -> None:
+        """``peer``'s HELLO arrived; ``own``: (stream, stamp) of our records it holds;
+        ``theirs``: per stream, the stamp of its own record of the life it runs (the
+        only ones it sends)."""
         self.heard.add(peer)
+        self.announced[peer] = dict(theirs or {})
         waiting = {}
         for stream, stamp in own:
             known = self.newest.get(stream)
@@ -121,8 +142,10 @@ class PastLives:
         """The highest incarnation of ours seen in a verified record (0: none)."""
         return self.top_seen
 
-    def waiting_for(self, stream: str, members: Iterable[str]) -> tuple[str, ...]:
-        """Members of ``stream`` we must still hear from before acting on it (rule 2)."""
+    def waiting_for(self, stream: str, members: Iterable[str], view: View) -> tuple[str, ...]:
+        """Members of ``stream`` we must still hear from before acting on it (rules 2
+        and 4): their HELLO, the records of ours they hold, and their own record of
+        ``stream`` as their HELLO listed it (``view``: what we hold)."""
         if not self.unsure:
             return ()
         out = []
@@ -130,6 +153,11 @@ class PastLives:
             if m == self.node_id or (self.plan is not None and m not in self.plan):
                 continue
             if m not in self.heard or stream in self.awaited.get(m, {}):
+                out.append(m)
+                continue
+            stamp = self.announced.get(m, {}).get(stream)
+            rec = view.get((stream, m)) if stamp is not None else None
+            if stamp is not None and (rec is None or rec.stamp < stamp):
                 out.append(m)
         return tuple(out)
 
@@ -171,8 +199,12 @@ class EarlierLives:
         entries = list(summary)
         unknown = [(s, (i, v)) for s, o, i, v in entries
                    if o == me and self._forgotten(i) and not self.made_here(s, i, v)]  # fmt: skip
-        self._lives.hello(peer, unknown)
-        theirs = {s: (i, v) for s, o, i, v in entries if o == peer}
+        theirs: dict[str, Stamp] = {}
+        for s, o, i, v in entries:
+            if o == peer and (i, v) > theirs.get(s, (-1, -1)):
+                theirs[s] = (i, v)
+        current = {s: stamp for s, stamp in theirs.items() if stamp[0] == incarnation}
+        self._lives.hello(peer, unknown, current)
         for name in sorted(self._streams):
             st = self._streams[name]
             floor = st.agreement.fresh_from.get(peer)
@@ -215,10 +247,10 @@ class EarlierLives:
         self._settle()
 
     def hello_summary(self, first: str | None = None) -> list[tuple[str, str, int, int]]:
-        """(stream, origin, incarnation, version) of every record we hold, those of
-        ``first`` first (rule 1), for a HELLO."""
-        held = self.view
-        records = sorted(held, key=lambda r: r.origin != first) if first is not None else held
+        """(stream, origin, incarnation, version) of every record we hold, for a
+        HELLO: those of ``first`` first (rule 1), then our own (rule 4)."""
+        me = self.node_id
+        records = sorted(self.view, key=lambda r: (r.origin != first, r.origin != me))
         return [(r.stream, r.origin, r.incarnation, r.version) for r in records]
 
     def waiting_to_freeze(self, stream: str) -> tuple[str, ...]:
@@ -226,7 +258,8 @@ class EarlierLives:
         ``stream`` (none unless it is unsure of its past, rule 2)."""
         st = self._streams.get(stream)
         if st is None:  # not declared here: every peer it links to (`next_generation`)
-            return self._lives.waiting_for(stream, self._lives.plan or ())
+            lives = self._lives
+            return lives.waiting_for(stream, lives.plan or tuple(lives.announced), self.view)
         return () if st.settled else self._waiting_for(st)
 
     def _forgotten(self, incarnation: int) -> bool:
@@ -278,17 +311,37 @@ class EarlierLives:
                 self._refresh(name)
 
     def _waiting_for(self, st: StreamState) -> tuple[str, ...]:
-        return self._lives.waiting_for(st.facts.spec.name, st.facts.spec.member_ids)
+        return self._lives.waiting_for(st.facts.spec.name, st.facts.spec.member_ids, self.view)
 
     def _settle(self) -> None:
         """Publish the streams whose members we have now heard from (rule 2)."""
         for name in sorted(self._streams):
             st = self._streams[name]
             if not st.settled and not self._waiting_for(st):
-                st.settled = True
-                self._adopt(st)
-                self._pending_facts.append(Settled(name))  # a restart does not wait again
+                self._settled(st)
                 self._refresh(name)
+
+    def _settled(self, st: StreamState) -> None:
+        """``st``'s members told us what they hold (rule 2): adopt what they told of
+        our earlier lives (rule 3), keep the generations their records show as taken
+        (rule 4) and, unsure of our past, log it all, so a restart does not wait again."""
+        st.settled = True
+        self._adopt(st)
+        if not self._lives.unsure:
+            return
+        name = st.facts.spec.name
+        records = self.view.stream(name).values()
+        top = max([m for r in records for m in (r.membership, *(g for g, _ in r.generations))],
+                  default=-1)  # fmt: skip
+        st.generations.take_below(top + 1)
+        self._pending_facts.append(Settled(name, st.generations.taken_below))
+
+    def replay_settled(self, fact: Settled) -> None:
+        """A `Settled` in the log: the life that wrote it knew its past of the stream."""
+        st = self._streams.get(fact.stream)
+        if st is not None:
+            st.settled = True
+            st.generations.take_below(fact.taken_below)
 
     def _adopt(self, st: StreamState) -> None:
         """Take, from the newest record of a life we do not remember, its high-water

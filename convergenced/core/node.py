@@ -215,14 +215,6 @@ class NodeCore(NodeReads, Declarations, EarlierLives, GenerationRequests, NodeVe
         elif isinstance(fact, RankState):
             st.facts.check_rank(fact.rank, fact.domain)
 
-    def _kept_high_water(self, fact: Fact) -> bool:
-        """Whether ``fact`` is the mark of a stream undeclared here, as compaction
-        writes it (`undeclared_high_water_fact`); any other fact of a stream not
-        declared here is refused."""
-        return isinstance(fact, HighWater) and fact == self.undeclared_high_water_fact(
-            fact.stream, fact.epoch
-        )
-
     def apply(self, fact: Fact) -> None:
         """Apply a fact (checked first) and re-evaluate its stream.
 
@@ -300,8 +292,7 @@ class NodeCore(NodeReads, Declarations, EarlierLives, GenerationRequests, NodeVe
                     self._lives.unsure = self._lives.unsure or fact.unsure
                 continue  # the caller started us above them
             if isinstance(fact, Settled):
-                if fact.stream in self._streams:
-                    self._streams[fact.stream].settled = True
+                self.replay_settled(fact)
                 continue
             if isinstance(fact, Undeclare):
                 if fact.stream not in self._streams:
@@ -332,9 +323,7 @@ class NodeCore(NodeReads, Declarations, EarlierLives, GenerationRequests, NodeVe
                 st = self._streams[fact.spec.name] = self._new_stream(fact.spec)
                 st.settled = not self._waiting_for(st)
                 if st.settled:
-                    self._adopt(st)
-                    if self._lives.unsure:
-                        self._pending_facts.append(Settled(fact.spec.name))
+                    self._settled(st)
             elif self._streams[fact.spec.name].facts.spec != fact.spec:
                 # Checked: a new membership of the stream (`declarations`). A node
                 # unsure of its past may have heard from every member of the new map
@@ -439,6 +428,8 @@ class NodeCore(NodeReads, Declarations, EarlierLives, GenerationRequests, NodeVe
             self._refresh(name)
         if past:
             self._learn_past(past)
+        elif self._lives.unsure:
+            self._settle()  # a member's own record may be the last one waited for
         return kept
 
     # -- queries --------------------------------------------------------------

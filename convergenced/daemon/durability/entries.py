@@ -42,7 +42,8 @@ def encode_entry(entry: Entry) -> list[Any]:
     if isinstance(entry, Incarnation):
         return ["incarnation", entry.number, *([True] if entry.unsure else [])]
     if isinstance(entry, Settled):
-        return ["settled", entry.stream]
+        # The bound is absent when 0 (as in logs before it).
+        return ["settled", entry.stream, *([entry.taken_below] if entry.taken_below else [])]
     if isinstance(entry, RolloutNote):
         return ["rollout_note", entry.text]
     if isinstance(entry, ComponentReport):
@@ -108,10 +109,12 @@ def decode_entry(obj: Any) -> Entry:
                 raise ValueError("bad unsure flag")
             return Incarnation(int(number), bool(rest))
         if kind == "settled":
-            (stream,) = args
+            stream, *rest = args
             if not isinstance(stream, str):
                 raise ValueError("bad stream")
-            return Settled(stream)
+            if len(rest) > 1 or not all(type(b) is int and b > 0 for b in rest):
+                raise ValueError("bad generation bound")
+            return Settled(stream, *rest)
         if kind == "rollout_note":
             (text,) = args
             if not isinstance(text, str):
