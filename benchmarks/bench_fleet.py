@@ -71,7 +71,10 @@ def diagnose(fleet: FleetCluster, nodes: list[str]) -> str:
         peers = {p["id"]: p for p in status["peers"]}
         creds = set(status["fleet"]["credentials"])
         down = sorted(p for p, v in peers.items() if v["overlay_link"] and not v["connected"])
-        out.append(f"{node}: knows {len(peers)}, credentials {len(creds)}, overlay down {down}")
+        unknown = sorted(set(nodes) - {node} - set(peers))
+        uncredentialed = sorted(set(peers) - creds)
+        out.append(f"{node}: knows {len(peers)}, credentials {len(creds)}, overlay down "
+                   f"{down}, not known {unknown}, known without credential {uncredentialed}")  # fmt: skip
     return "\n".join(out)
 
 
@@ -130,7 +133,11 @@ def main(argv: list[str] | None = None) -> int:
                 fleet.remove(old)
                 fleet.add(new, port)
                 fleet.start(new)
-            wait_for(lambda: whole(fleet, now), limit, "the spares in the fleet")
+            try:
+                wait_for(lambda: whole(fleet, now), limit, "the spares in the fleet")
+            except AssertionError:
+                print(diagnose(fleet, now), file=sys.stderr)
+                raise
 
         phase(fleet, "spares linked", replace, results)
         phase(fleet, "agreed again", lambda: agree(fleet, "job2", now, 7), results)
