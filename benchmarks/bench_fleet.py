@@ -73,8 +73,10 @@ def diagnose(fleet: FleetCluster, nodes: list[str]) -> str:
         down = sorted(p for p, v in peers.items() if v["overlay_link"] and not v["connected"])
         unknown = sorted(set(nodes) - {node} - set(peers))
         uncredentialed = sorted(set(peers) - creds)
-        out.append(f"{node}: knows {len(peers)}, credentials {len(creds)}, overlay down "
-                   f"{down}, not known {unknown}, known without credential {uncredentialed}")  # fmt: skip
+        out.append(
+            f"{node}: knows {len(peers)}, credentials {len(creds)}, overlay down {down}, "
+            f"not known {unknown}, known without credential {uncredentialed}"
+        )
     return "\n".join(out)
 
 
