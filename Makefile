@@ -44,7 +44,7 @@ typecheck: $(DEV_STAMP)
 TEST_WORKERS ?= 2
 
 pytest: $(DEV_STAMP)
-	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist worksteal
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=25
 
 test: lint typecheck pytest
 

@@ -243,7 +243,10 @@ def test_a_node_that_lost_its_disk_restores_from_the_shared_tier() -> None:
 
 
 @pytest.mark.xfail(
-    strict=True,
+    # Not strict: whether the node has adopted its high-water mark when it freezes
+    # depends on which of its peers' records reached it first, so some runs restore 2
+    # (the outcome this test wants) and most do not.
+    strict=False,
     reason="core: a node that lost its state freezes from its adopted high-water mark "
     "minus the retention (3), above every epoch it can read (1-2 in s3), so when it "
     "freezes first the generation resolves to None on every member",
