@@ -19,6 +19,14 @@ asks (PROTOCOL.md section 8.1):
 The ranks of the launch before die with it: those that had not asked yet never do,
 and one whose request was already on its way may still reach its daemon (half the
 time), declaring its own launch's spec and asking its own generation.
+
+A launch fails, and its launcher starts the job again, when its rank 0 gets no number:
+its daemon answers nothing for `OPEN_TRIES` tries, or dies before the answer leaves
+(the answer waits for the write that covers it, and a crash takes it: the rank's
+connection breaks, as `new_generation` raises). Without the second, a crash between
+the question and the answer left the job without a launch for good (sim seed 300293:
+the crash at the end of the faulty phase took the answer of the launch that was to
+declare the new member map on a member whose ranks of the launch before had died).
 """
 
 from __future__ import annotations
@@ -79,6 +87,9 @@ class Launches:
         self._conflicted = False
         """A launch's declaration was refused: the next one declares a new membership
         even on the same member map (under a new number, above the one refused)."""
+        self._asking: tuple[str, int] | None = None
+        """(node, launch): the rank 0 waiting for its daemon's answer to
+        ``next_generation``, while it waits."""
 
     def relaunch(self) -> int:
         """Relaunch the job on its current placement; returns the launch's number."""
@@ -115,11 +126,23 @@ class Launches:
                 self.relaunch()
             return
         w.loop.trace(f"open {nid} g{generation}")
+        self._asking = (nid, launch)
         w.nodes[nid].reply(lambda: self._hand_out(nid, launch, generation))
+
+    def daemon_died(self, nid: str) -> None:
+        """``nid``'s daemon died: if the live launch's rank 0 was waiting for its
+        answer, the launch fails and the launcher starts the job again."""
+        if self._asking != (nid, self.launch):
+            return
+        self._asking = None
+        self.world.loop.trace(f"launch {self.launch} failed: {nid} died before answering")
+        self.relaunch()
 
     def _hand_out(self, opener: str, launch: int, generation: int) -> None:
         """Rank 0 got the number: the launch's ranks learn it (a broadcast), declare
         the job's spec (a new membership when the ranks moved) and ask for it."""
+        if self._asking == (opener, launch):
+            self._asking = None
         if launch != self.launch:
             return  # the launch died before it handed the number out
         w = self.world

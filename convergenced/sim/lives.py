@@ -69,6 +69,7 @@ class DaemonLives:
         if self.cfg.compare:
             self.baselines.sample(reschedule=False)
         self.net.node_down(nid, self.peers[nid])
+        self.launches.daemon_died(nid)  # an answer it had not sent yet is lost
 
     def lose_state(self, nid: str, *, floor_too: bool = False, local_too: bool = False) -> None:
         """``nid``'s daemon dies and its state directory is lost (its identity key and
