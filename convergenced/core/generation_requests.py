@@ -36,6 +36,7 @@ class GenerationRequests:
     _lives: PastLives
     _pending_facts: list[Fact]
     _events: deque[NodeEvent]
+    _declared: dict[str, IntervalSet]  # NodeCore's: every safe_to_delete answer
 
     _stream: Callable[[str], StreamState]  # NodeCore's
     generations_closed_below: Callable[[str], int]  # Declarations'
@@ -44,13 +45,14 @@ class GenerationRequests:
     def freeze_fact(self, stream: str, generation: int) -> Freeze | None:
         """The `Freeze` fact to persist for our first request of ``generation``.
 
-        Returns None when we froze that generation already. The frozen set holds the
-        recoverable epochs this node can never have declared safe to delete: those at
-        or above the highest GC horizon it computed (`facts.Horizon`; its high-water
-        mark minus the retention when it knows none), and those in the frozen
-        set another member already published for this generation (`generations`,
-        rule 1). A member that asks later, while the restore point moved on, still
-        shares the epochs the earlier ones froze.
+        Returns None when we froze that generation already. The frozen set holds
+        recoverable epochs at or above the highest GC horizon this node computed
+        (`facts.Horizon`; its high-water mark minus the retention when it knows
+        none), and those in the frozen set another member already published for this
+        generation (`generations`, rule 1), minus every epoch this node ever declared
+        safe to delete (`safe_to_delete`; after a restart, all below that horizon): a
+        rank may be deleting those. A member that asks later, while the restore point
+        moved on, still shares the epochs the earlier ones froze.
 
         Raises:
             UnknownStreamError: the stream is not declared here.
@@ -71,6 +73,10 @@ class GenerationRequests:
         floor = horizon if horizon is not None else hw - st.facts.spec.retention
         others = [s for m, s in self._frozen_sets(st, generation) if m != self.node_id and s]
         epochs = recoverable.at_least(floor) | (recoverable & IntervalSet.union_all(others))
+        # Another member's set may reach below what our horizon passed before it
+        # arrived (its own horizon lagged ours): we may have declared those epochs
+        # safe, and our ranks may be deleting them (S4, S1).
+        epochs -= self._declared.get(stream, IntervalSet())
         return Freeze(stream, generation, epochs.newest_ranges(MAX_RANGES))
 
     def next_generation(self, stream: str) -> int | None:

@@ -6,16 +6,16 @@ daemon for the restore point of a *recovery generation* g, a number its launcher
 chooses. The rules:
 
 1. **Freeze.** At this node's first request for g, its recoverable set is *frozen*
-   for g, keeping only epochs this node can never have declared safe to delete: those
-   at or above its own ``high_water - retention`` (its GC horizon never passed that,
-   see `agreement`), and those in any frozen set another member has already published
-   for g (every node protects the published frozen sets of open generations, and no
-   node's horizon could pass them before they were published, because the horizon
-   is below every member's published restore point). So members that ask seconds
-   apart, while the restore point moves on, still share the epochs the first one
-   froze. At most the newest `MAX_RANGES` ranges are kept. The frozen set is a fact:
-   it is made durable before anything that reveals it leaves the node, and it is
-   published in our record.
+   for g, keeping the epochs at or above the highest GC horizon it computed (its
+   ``high_water - retention`` when it knows none), and those in any frozen set
+   another member has already published for g, minus every epoch this node ever
+   declared safe to delete (a rank may be deleting it; after a restart, everything
+   below that horizon). Another member's set can reach below what our horizon passed
+   before it arrived (that member's own horizon lagged), so the subtraction matters.
+   So members that ask seconds apart, while the restore point moves on, still share
+   the epochs the first one froze. At most the newest `MAX_RANGES` ranges are kept.
+   The frozen set is a fact: it is made durable before anything that reveals it
+   leaves the node, and it is published in our record.
 2. **Resolve.** g is resolved once the frozen set of every member is known (ours,
    and each other member's from a record with our spec digest). Its answer is the
    newest epoch of the intersection of all frozen sets, or None when they share no

@@ -128,6 +128,7 @@ class NodeCore(NodeReads, Declarations, EarlierLives, GenerationRequests, NodeVe
         self._streams: dict[str, StreamState] = {}
         self._generation_floors: dict[str, int] = {}
         self._high_water_floors: dict[str, int] = {}
+        self._declared: dict[str, IntervalSet] = {}
         self._version = 0
         self._pending_facts: list[Fact] = []
         self._events: deque[NodeEvent] = deque()
@@ -313,6 +314,8 @@ class NodeCore(NodeReads, Declarations, EarlierLives, GenerationRequests, NodeVe
                 # A log from before horizons were kept: every horizon its writer
                 # computed was at most this (`agreement`).
                 f.horizon = max(f.high_water - f.spec.retention, 0)
+            if f.horizon:  # what the last life declared safe is unknown: all below it
+                self._declared[name] = IntervalSet.span(0, f.horizon - 1)
             self._refresh(name)
 
     def _apply(self, fact: Fact, *, checked: bool = False) -> str:
@@ -448,6 +451,8 @@ class NodeCore(NodeReads, Declarations, EarlierLives, GenerationRequests, NodeVe
 
         Below the GC horizon, outside every open frozen set, and present: an epoch
         never committed here, or already retired everywhere, is nothing to delete.
+        Every answer is remembered: a rank may act on it at any later time, so a
+        freeze never keeps one of its epochs (`freeze_fact`).
         """
         st = self._stream(stream)
         horizon = st.agreement.gc_horizon()
@@ -461,7 +466,9 @@ class NodeCore(NodeReads, Declarations, EarlierLives, GenerationRequests, NodeVe
             if origin != self.node_id and origin in st.agreement.members:
                 protected.extend(s for _, s in rec.generations)
         held = IntervalSet.union_all(st.facts.available.values())
-        return (held & IntervalSet.span(0, horizon - 1)) - IntervalSet.union_all(protected)
+        safe = (held & IntervalSet.span(0, horizon - 1)) - IntervalSet.union_all(protected)
+        self._declared[stream] = self._declared.get(stream, IntervalSet()) | safe
+        return safe
 
     def own_record(self, stream: str) -> Record | None:
         """The latest record we published for ``stream``."""
