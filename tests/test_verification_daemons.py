@@ -16,13 +16,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from daemons import LocalCluster
+from daemons import LocalCluster, until
 from s3server import S3Bucket, require_s3fs
 
 from convergenced.integrations.files import CheckpointStore, Tier
@@ -31,17 +28,6 @@ from convergenced.integrations.objectstore import ObjectTier
 STREAM = "job"
 PERIOD_S = 0.3
 EXTRA = f"verification = {{ period_s = {PERIOD_S}, bandwidth_mb_s = 0 }}"
-
-
-def _eventually(check: Callable[[], Any], timeout: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.05)
 
 
 def _metrics(cluster: LocalCluster, i: int) -> dict[str, float]:
@@ -84,13 +70,13 @@ def test_all_of_a_corrupt_shard_of_the_restore_point_rolls_back_every_node(
         ]
         _save(stores, range(1, 4))
         assert clients[0].wait(STREAM, 3, timeout=20)["restore_point"] == 3
-        _eventually(lambda: clients[1].state(STREAM)["verification"]["nvme"]["verified"])
+        until(lambda: clients[1].state(STREAM)["verification"]["nvme"]["verified"])
         before = _metrics(cluster, 2)
         assert before['convergenced_verifications_total{domain="nvme",outcome="ok"}'] >= 3
 
         _flip(stores[1].path(stores[1].local, 3))  # rank 1's shard of epoch 3, on node-2
         for c in clients:
-            _eventually(lambda c=c: c.state(STREAM)["restore_point"] == 2)
+            until(lambda c=c: c.state(STREAM)["restore_point"] == 2)
         after = _metrics(cluster, 2)
         assert after['convergenced_verifications_total{domain="nvme",outcome="mismatch"}'] == 1
         assert after['convergenced_retractions_total{stream="job"}'] == 1
@@ -124,12 +110,12 @@ def test_any_of_the_intact_copy_keeps_the_restore_point(tmp_path: Path) -> None:
         _save(stores, range(1, 3))
         for s in stores:
             s.flush()
-        _eventually(lambda: clients[1].state(STREAM)["newest"][cluster.name(2)].get("pfs") == 2)
+        until(lambda: clients[1].state(STREAM)["newest"][cluster.name(2)].get("pfs") == 2)
         assert clients[0].wait(STREAM, 2, timeout=20)["restore_point"] == 2
         stored = clients[1].state(STREAM)["stored_epochs"]
 
         _flip(stores[1].path(stores[1].local, 2))  # node-2's local copy of epoch 2
-        _eventually(
+        until(
             lambda: (
                 _metrics(cluster, 2).get(
                     'convergenced_verifications_total{domain="nvme",outcome="mismatch"}'
@@ -211,7 +197,7 @@ def test_a_drill_restores_the_restore_point_and_reports_its_figures(tmp_path: Pa
         code, out = _ctl(cluster, 2, "drill", STREAM)
         assert code == 1 and "FAILED" in out and "mismatch" in out, out
         for c in clients:  # the drill's evidence retracted it, as the verifier would
-            _eventually(lambda c=c: c.state(STREAM)["restore_point"] == 1)
+            until(lambda c=c: c.state(STREAM)["restore_point"] == 1)
         m = _metrics(cluster, 2)
         assert m['convergenced_drills_total{outcome="passed"}'] == 2
         assert m['convergenced_drills_total{outcome="failed"}'] == 1
@@ -238,13 +224,13 @@ def test_the_verifier_reads_an_object_store_and_retracts_a_rotten_object(
             store.save(1, b"first" * 100)
             store.save(2, b"second" * 100)
             store.flush(timeout=20)
-            _eventually(lambda: _metrics(cluster, 1).get(
+            until(lambda: _metrics(cluster, 1).get(
                 'convergenced_verifications_total{domain="s3",outcome="ok"}', 0) >= 2)  # fmt: skip
             key = remote.key(stream, 2, 0)
             body = s3_bucket.client.get_object(Bucket=s3_bucket.name, Key=key)["Body"].read()
             rotten = body[:-1] + bytes([body[-1] ^ 0xFF])  # bit rot in the bucket
             s3_bucket.client.put_object(Bucket=s3_bucket.name, Key=key, Body=rotten)
-            _eventually(lambda: client.state(stream)["newest"]["node-1"] == {"nvme": 2, "s3": 1})
+            until(lambda: client.state(stream)["newest"]["node-1"] == {"nvme": 2, "s3": 1})
             m = _metrics(cluster, 1)
             assert m['convergenced_verifications_total{domain="s3",outcome="mismatch"}'] == 1
             assert client.state(stream)["restore_point"] == 2  # the local copy keeps it

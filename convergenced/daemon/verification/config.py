@@ -39,20 +39,30 @@ class VerificationConfig:
         return self.bandwidth_mb_s * 1e6
 
 
+def _table(raw: Mapping[str, Any], name: str, keys: set[str], source: str) -> Mapping[str, Any]:
+    """The table ``name`` of ``raw`` ({} when absent), with no key outside ``keys``.
+
+    Raises:
+        ConfigError: not a table, or an unknown key.
+    """
+    table = raw.get(name, {})
+    if not isinstance(table, Mapping):
+        raise ConfigError(source, name, "expected a table")
+    for key in table:
+        if key not in keys:
+            raise ConfigError(
+                source, f"{name}.{key}", f"unknown key; expected one of {sorted(keys)}"
+            )
+    return table
+
+
 def parse_verification(raw: Mapping[str, Any], source: str) -> VerificationConfig:
     """Validate the ``[verification]`` table of ``raw`` (absent: the defaults).
 
     Raises:
         ConfigError: naming the key.
     """
-    table = raw.get("verification", {})
-    if not isinstance(table, Mapping):
-        raise ConfigError(source, "verification", "expected a table")
-    for key in table:
-        if key not in _KEYS:
-            raise ConfigError(
-                source, f"verification.{key}", f"unknown key; expected one of {sorted(_KEYS)}"
-            )
+    table = _table(raw, "verification", _KEYS, source)
 
     def seconds(key: str, default: float, hi: float) -> float:
         value = table.get(key, default)
@@ -94,13 +104,7 @@ def parse_drill(raw: Mapping[str, Any], source: str) -> DrillConfig:
     Raises:
         ConfigError: naming the key.
     """
-    table = raw.get("drill", {})
-    if not isinstance(table, Mapping):
-        raise ConfigError(source, "drill", "expected a table")
-    for key in table:
-        if key not in _DRILL_KEYS:
-            raise ConfigError(source, f"drill.{key}",
-                              f"unknown key; expected one of {sorted(_DRILL_KEYS)}")  # fmt: skip
+    table = _table(raw, "drill", _DRILL_KEYS, source)
     every = table.get("every_s", 0)
     if isinstance(every, bool) or not isinstance(every, int | float) or not 0 <= every <= 1e8:
         raise ConfigError(source, "drill.every_s", f"{every!r}; expected seconds, 0 for none")

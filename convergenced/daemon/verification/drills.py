@@ -39,14 +39,8 @@ from convergenced.core.locations import Location
 from convergenced.core.node import NodeCore
 from convergenced.daemon.metrics import spec
 from convergenced.daemon.verification.config import DrillConfig
-from convergenced.daemon.verification.digests import (
-    Corrupt,
-    Missing,
-    Throttle,
-    Unreadable,
-    measure,
-)
-from convergenced.daemon.verification.verifier import Check, Verifier
+from convergenced.daemon.verification.digests import Throttle
+from convergenced.daemon.verification.verifier import EVIDENCE, Check, Verifier
 
 __all__ = ["KEEP_RECORDS", "Drills"]
 
@@ -165,20 +159,8 @@ class Drills:
     async def _read(self, check: Check, scratch: Path | None) -> _Read:
         into = None if scratch is None else scratch / check.domain / f"rank-{check.rank}"
         start = self._clock()
-        outcome, detail, size = "ok", "", 0
-        try:
-            digest, size = await self._run_blocking(
-                partial(measure, check.location, Throttle(0), into)
-            )
-        except (Missing, Corrupt, Unreadable) as exc:
-            outcome = {Missing: "missing", Corrupt: "corrupt"}.get(type(exc), "unreadable")
-            detail = str(exc)
-        except Exception as exc:  # a reader's own bug (fsspec, a filesystem): never fatal
-            outcome, detail = "unreadable", f"{check.location.url}: {exc!r}"
-            log.error("drill: the reader failed", url=check.location.url, error=repr(exc))
-        else:
-            outcome, detail = self.verifier.judge(check, digest, size)
-        if outcome in ("mismatch", "missing", "corrupt"):
+        outcome, detail, size = await self.verifier.read(check, Throttle(0), into)
+        if outcome in EVIDENCE:
             await self.verifier.retract(check, outcome, detail)
         return _Read(check, outcome, detail, size, self._clock() - start)
 

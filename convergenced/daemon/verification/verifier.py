@@ -36,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any, Final, TypeVar
 
 import structlog
@@ -192,26 +193,34 @@ class Verifier:
     async def verify(self, check: Check) -> Outcome:
         """Read ``check``'s bytes, judge them, count, and retract on evidence."""
         start = self._clock()
-        result, detail, size = "ok", "", 0
-        try:
-            digest, size = await self._run_blocking(partial(measure, check.location, self.throttle))
-        except Missing as exc:
-            result, detail = "missing", str(exc)
-        except Corrupt as exc:
-            result, detail = "corrupt", str(exc)
-        except Unreadable as exc:
-            result, detail = "unreadable", str(exc)
-        except Exception as exc:  # a reader's own bug (fsspec, a filesystem): never fatal
-            result, detail = "unreadable", f"{check.location.url}: {exc!r}"
-            log.error("verification: the reader failed", url=check.location.url, error=repr(exc))
-        else:
-            result, detail = self.judge(check, digest, size)
+        result, detail, size = await self.read(check, self.throttle)
         self.outcomes.labels(domain=check.domain, outcome=result).inc()
         self.bytes.labels(domain=check.domain).inc(size)
         retracted = result in EVIDENCE and await self.retract(check, result, detail)
         out = Outcome(check, result, detail, size, self._clock() - start, retracted)
         self.last[(check.stream, check.domain)] = out
         return out
+
+    async def read(
+        self, check: Check, throttle: Throttle, into: Path | None = None
+    ) -> tuple[str, str, int]:
+        """``(outcome, detail, bytes read)`` of reading ``check``'s bytes through
+        ``throttle`` (restoring them into ``into``, a folder, when given): one of
+        `OUTCOMES`, never an exception."""
+        try:
+            digest, size = await self._run_blocking(
+                partial(measure, check.location, throttle, into)
+            )
+        except Missing as exc:
+            return "missing", str(exc), 0
+        except Corrupt as exc:
+            return "corrupt", str(exc), 0
+        except Unreadable as exc:
+            return "unreadable", str(exc), 0
+        except Exception as exc:  # a reader's own bug (fsspec, a filesystem): never fatal
+            log.error("verification: the reader failed", url=check.location.url, error=repr(exc))
+            return "unreadable", f"{check.location.url}: {exc!r}", 0
+        return (*self.judge(check, digest, size), size)
 
     @staticmethod
     def judge(check: Check, digest: str, size: int) -> tuple[str, str]:
