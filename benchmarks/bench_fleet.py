@@ -26,7 +26,7 @@ for extra in (REPO, REPO / "tests"):
         sys.path.insert(0, str(extra))
 
 from bench_daemon import machine  # noqa: E402
-from fleet_cluster import FleetCluster, wait_for  # noqa: E402
+from fleet_cluster import FleetCluster  # noqa: E402
 from report import command_line, write_fragment  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -42,42 +42,6 @@ def cpu_seconds(fleet: FleetCluster) -> float:
             continue
         total += int(fields[11]) + int(fields[12])
     return total / TICKS
-
-
-def whole(fleet: FleetCluster, nodes: list[str]) -> bool:
-    """Every node knows every other (holds its credential: a declaration may name it),
-    and is linked to each of its overlay peers."""
-    for node in nodes:
-        status = fleet.status(node)
-        if status is None:
-            return False
-        peers = {p["id"]: p for p in status["peers"]}
-        if not set(nodes) - {node} <= set(peers) <= set(status["fleet"]["credentials"]):
-            return False
-        if any(p["overlay_link"] and not p["connected"] for p in peers.values()
-               if p["id"] in nodes):  # fmt: skip
-            return False
-    return True
-
-
-def diagnose(fleet: FleetCluster, nodes: list[str]) -> str:
-    """What each node lacks, for a run that did not become whole."""
-    out = []
-    for node in nodes:
-        status = fleet.status(node)
-        if status is None:
-            out.append(f"{node}: no answer; its log ends:\n{fleet.log(node)[-1500:]}")
-            continue
-        peers = {p["id"]: p for p in status["peers"]}
-        creds = set(status["fleet"]["credentials"])
-        down = sorted(p for p, v in peers.items() if v["overlay_link"] and not v["connected"])
-        unknown = sorted(set(nodes) - {node} - set(peers))
-        uncredentialed = sorted(set(peers) - creds)
-        out.append(
-            f"{node}: knows {len(peers)}, credentials {len(creds)}, overlay down {down}, "
-            f"not known {unknown}, known without credential {uncredentialed}"
-        )
-    return "\n".join(out)
 
 
 def agree(fleet: FleetCluster, stream: str, nodes: list[str], epoch: int) -> None:
@@ -119,11 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         def start() -> None:
             for node in names:
                 fleet.start(node)
-            try:
-                wait_for(lambda: whole(fleet, names), limit, "the fleet whole")
-            except AssertionError:
-                print(diagnose(fleet, names), file=sys.stderr)
-                raise
+            fleet.wait_whole(names, limit, "the fleet whole")
 
         phase(fleet, "links up", start, results)
         phase(fleet, "agreed", lambda: agree(fleet, "job", names, 5), results)
@@ -135,11 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                 fleet.remove(old)
                 fleet.add(new, port)
                 fleet.start(new)
-            try:
-                wait_for(lambda: whole(fleet, now), limit, "the spares in the fleet")
-            except AssertionError:
-                print(diagnose(fleet, now), file=sys.stderr)
-                raise
+            fleet.wait_whole(now, limit, "the spares in the fleet")
 
         phase(fleet, "spares linked", replace, results)
         phase(fleet, "agreed again", lambda: agree(fleet, "job2", now, 7), results)

@@ -40,7 +40,7 @@ dead_ticks = 40
 FLEET_CONFIG = """\
 cluster = "fleet"
 trust_mode = "ca"
-{timer}
+{timer}{mesh}
 [discovery]
 {discovery}
 refresh_s = 1
@@ -69,11 +69,15 @@ ca = "{ca}"
 class FleetCluster:
     """Daemons ``fleet-NN`` on loopback, discovered through DNS SRV records."""
 
-    def __init__(self, discovery: str | None = None, *, fast: bool = True) -> None:
+    def __init__(
+        self, discovery: str | None = None, *, fast: bool = True, mesh_limit: int | None = None
+    ) -> None:
         """``discovery``: the ``[discovery]`` lines (default: the SRV records of the
-        test DNS server); ``fast``: the tests' link timer, else the daemon's default."""
+        test DNS server); ``fast``: the tests' link timer, else the daemon's default;
+        ``mesh_limit``: past it the fleet links as a log-degree overlay (default 16)."""
         self.discovery = discovery
         self.timer = FAST_TIMER if fast else ""
+        self.mesh = f"mesh_limit = {mesh_limit}\n" if mesh_limit is not None else ""
         self.dir = Path(tempfile.mkdtemp(prefix="cvf-", dir="/tmp"))
         self.ca_dir = self.dir / "ca"
         pki.init_ca(self.ca_dir)
@@ -90,7 +94,9 @@ class FleetCluster:
         discovery = self.discovery or (
             f'srv = "{SRV_NAME}"\nnameservers = ["{self.dns.nameserver}"]'
         )
-        return FLEET_CONFIG.format(timer=self.timer, discovery=discovery, deny_file=self.deny_file)
+        return FLEET_CONFIG.format(
+            timer=self.timer, mesh=self.mesh, discovery=discovery, deny_file=self.deny_file
+        )
 
     def add(self, node: str, port: int | None = None) -> None:
         """Give ``node`` a certificate, a directory and a port, and list it in DNS."""
@@ -162,6 +168,47 @@ class FleetCluster:
         if status is None:
             return set()
         return {x["peer"] for x in status["links"] if x["state"] not in ("start", "closed")}
+
+    def whole(self, nodes: list[str]) -> bool:
+        """Every node of ``nodes`` knows every other (holds its credential: a
+        declaration may name it) and is linked to each of its overlay peers among them."""
+        for node in nodes:
+            status = self.status(node)
+            if status is None:
+                return False
+            peers = {p["id"]: p for p in status["peers"]}
+            if not set(nodes) - {node} <= set(peers) <= set(status["fleet"]["credentials"]):
+                return False
+            if any(p["overlay_link"] and not p["connected"] for p in peers.values()
+                   if p["id"] in nodes):  # fmt: skip
+                return False
+        return True
+
+    def diagnose(self, nodes: list[str]) -> str:
+        """What each node lacks, for a fleet that did not become `whole`."""
+        out = []
+        for node in nodes:
+            status = self.status(node)
+            if status is None:
+                out.append(f"{node}: no answer; its log ends:\n{self.log(node)[-1500:]}")
+                continue
+            peers = {p["id"]: p for p in status["peers"]}
+            creds = set(status["fleet"]["credentials"])
+            down = sorted(p for p, v in peers.items() if v["overlay_link"] and not v["connected"])
+            out.append(
+                f"{node}: knows {sorted(peers)}, overlay down {down}, "
+                f"not known {sorted(set(nodes) - {node} - set(peers))}, "
+                f"known without credential {sorted(set(peers) - creds)}"
+            )
+        return "\n".join(out)
+
+    def wait_whole(self, nodes: list[str], timeout: float, what: str) -> float:
+        """`wait_for` the fleet to be `whole`; on a timeout the `diagnose` is in the
+        error."""
+        try:
+            return wait_for(lambda: self.whole(nodes), timeout, what)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.diagnose(nodes)}") from None
 
     def log(self, node: str) -> str:
         """``node``'s log so far."""

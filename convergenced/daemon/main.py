@@ -306,6 +306,7 @@ class Daemon:
             r.fleet.on_members = self.apply_members
             r.fleet.on_recheck = self._close_untrusted_links
             r.fleet.linked = lambda: frozenset(r.node.neighbours)
+            r.fleet.dialled_by = r.hub.dialled_by
             r.fleet.on_credentials = self._admit_credentialed
             nursery.start_soon(r.fleet.run, nursery)
             self.apply_members(r.fleet.effective())
@@ -452,7 +453,7 @@ class Daemon:
         r.node.plan_links(planned_links(effective, r.fleet))
         r.hub.view_changed()  # what waited for that peer looks again
         r.telemetry.fleet_members.set(len(effective.peers))
-        r.peers.start_dialers(self._nursery, effective, frozenset(r.fleet.bootstrap))
+        r.peers.start_dialers(self._nursery, effective, r.fleet.extra_dials())
 
     def _admit_credentialed(self) -> None:
         r = self.running

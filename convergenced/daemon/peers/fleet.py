@@ -35,7 +35,7 @@ from cryptography import x509
 from convergenced.core.credentials import Credential, CredentialBook, Rank
 from convergenced.daemon.config import Config, Peer
 from convergenced.daemon.fleet_config import load_revocations
-from convergenced.daemon.peers.manager import dial_plan
+from convergenced.daemon.peers.manager import dial_plan, overlay_peers
 from convergenced.daemon.peers.security import PeerSecurity
 from convergenced.daemon.telemetry import Telemetry
 from convergenced.discovery.contacts import Contact, SourceKind, parse_address
@@ -57,6 +57,9 @@ RESEND_S = 3600.0
 MAX_SERIAL = (1 << 63) - 2
 GRACE_REFRESHES = 3
 """A discovered member missing from this many lookups in a row is gone."""
+OVERDUE_S = 10.0
+"""An overlay peer that should dial this node and has not linked for this long is
+dialled from here too (`Fleet.overdue`)."""
 
 
 class Fleet:
@@ -79,6 +82,10 @@ class Fleet:
         self.bootstrap: set[str] = set()
         """Members this node dials although the overlay says they dial it: chosen
         while it holds no link at all (they may not know of it yet), and kept."""
+        self.overdue: set[str] = set()
+        """Overlay peers this node dials because they should have dialled it and did
+        not for `OVERDUE_S` (`_choose_overdue`); kept while they are overlay peers."""
+        self._awaited_since: dict[str, float] = {}
         self._contacts: frozenset[Contact] = frozenset()
         self._probed: dict[tuple[str, int], str] = {}
         self._changed = trio.Event()
@@ -90,6 +97,8 @@ class Fleet:
         declaration may name them at once (`on_members` follows within a second)."""
         self.linked: Callable[[], frozenset[str]] = frozenset
         """The peers with an established link now (the daemon sets it)."""
+        self.dialled_by: Callable[[], frozenset[str]] = frozenset
+        """The peers with an established link that they dialled (the daemon sets it)."""
         self.on_recheck: Callable[[], None] | None = None
         """Called after each recheck: the daemon closes the links whose certificate no
         longer holds (revoked, or its CA removed)."""
@@ -208,11 +217,19 @@ class Fleet:
             named = c.node_id or self._probed.get((c.host, c.port))
             if named is not None:
                 out[named] = (c.host, c.port)
+        # Whoever answers at an address now is who is there: a probe's answer, a
+        # linked node advertising it, or this node itself. A dead host's credential
+        # still advertises the address its spare took; kept, it would skew this node's
+        # overlay (a log-degree overlay is a function of the member list).
+        me = self.config.node_id
+        linked = self.linked()
+        held = {a: n for n, a in out.items() if n in linked}
+        held[self.config.advertise] = me
         for node, address in list(out.items()):
-            answering = self._probed.get(address)
+            answering = held.get(address) or self._probed.get(address)
             if answering is not None and answering != node:
                 del out[node]
-        out.pop(self.config.node_id, None)
+        out.pop(me, None)
         return out
 
     def _present(self, learned: dict[str, tuple[str, int]]) -> dict[str, tuple[str, int]]:
@@ -280,7 +297,8 @@ class Fleet:
         nursery.start_soon(self._recheck_loop)
         probing: set[tuple[str, int]] = set()
         while True:
-            await self._changed.wait()
+            with trio.move_on_after(OVERDUE_S / 2):  # overdue links show without a change
+                await self._changed.wait()
             self._changed = trio.Event()
             # Addresses of members we hold no link to are probed again (at most once
             # per recheck period): whoever answers there now is who is there.
@@ -294,8 +312,9 @@ class Fleet:
                     nursery.start_soon(self._probe_once, c, probing)
             effective = self.effective()
             self._choose_bootstrap(effective)
+            self._choose_overdue(effective)
             # Applying wakes every link and redoes the dial plan: only on a change.
-            applied = (effective.peers, frozenset(self.bootstrap))
+            applied = (effective.peers, self.extra_dials())
             if self.on_members is not None and applied != self._applied:
                 self._applied = applied
                 self.on_members(effective)
@@ -321,6 +340,31 @@ class Fleet:
             self.bootstrap.add(node)
             if len(self.bootstrap) >= BOOTSTRAP_LINKS:
                 break
+
+    def extra_dials(self) -> frozenset[str]:
+        """The members this node dials beyond its dial plan: `bootstrap`, `overdue`."""
+        return frozenset(self.bootstrap | self.overdue)
+
+    def _choose_overdue(self, effective: Config) -> None:
+        """Dial the overlay peers that should dial this node and have not linked for
+        `OVERDUE_S`. The overlay is a function of the member list, and two nodes'
+        lists can differ for a while (one has not yet dropped a dead host, or learned
+        a new one): an edge that each side thinks the other dials would never be
+        dialled. Once the peer dials this node after all, ours is dropped: one link
+        per pair. (Two for a while cost only traffic: records are idempotent, and
+        links are counted per peer, `NodeCore.link_up`.)"""
+        overlay = overlay_peers(effective)
+        self.overdue &= overlay
+        self.overdue -= self.dialled_by()
+        awaited = overlay - {p.node_id for p in dial_plan(effective)} - self.extra_dials()
+        waiting = awaited - self.linked() - self.dialled_by()
+        now = trio.current_time()
+        self._awaited_since = {n: self._awaited_since.get(n, now) for n in waiting}
+        for node, since in list(self._awaited_since.items()):
+            if now - since >= OVERDUE_S:
+                log.info("dialling an overlay peer that has not dialled us", peer=node)
+                self.overdue.add(node)
+                del self._awaited_since[node]
 
     async def _probe_once(self, contact: Contact, probing: set[tuple[str, int]]) -> None:
         try:

@@ -91,6 +91,12 @@ class PeerHub:
         self._changed.set()
         self._changed = trio.Event()
 
+    def dialled_by(self) -> frozenset[str]:
+        """The peers with an established link that they dialled."""
+        return frozenset(
+            s.peer for s in self.sessions if s.peer is not None and s.link.role is Role.ACCEPTOR
+        )
+
     async def wait_changed(self) -> None:
         """Return after the next view change."""
         await self._changed.wait()

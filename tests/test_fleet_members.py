@@ -1,0 +1,104 @@
+"""Who a node counts as a member, and which overlay links it dials (`peers.fleet`).
+
+The daemon-level behaviour is in tests/test_fleet_daemons.py (real daemons, real DNS,
+a fleet past the mesh limit with replaced hosts); these tests pin the two rules that
+keep a replaced host from splitting the overlay, on one `Fleet` object, with trio's
+`MockClock` for the time an overlay peer is waited for.
+"""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+from convergenced.core.overlay import dial_targets
+from convergenced.daemon.config import Config, parse
+from convergenced.daemon.peers.fleet import OVERDUE_S, Fleet
+from convergenced.daemon.peers.manager import dial_plan, overlay_peers
+from convergenced.daemon.peers.security import PeerSecurity
+from convergenced.daemon.peers.transport import PeerTransport
+from convergenced.daemon.telemetry import Telemetry
+from convergenced.discovery.contacts import Contact
+
+
+def config(node: str, peers: dict[str, int], *, port: int = 7000, mesh_limit: int = 4) -> Config:
+    raw = {
+        "node_id": node,
+        "insecure": True,
+        "listen": f"127.0.0.1:{port}",
+        "mesh_limit": mesh_limit,
+        "peers": [{"id": p, "address": f"127.0.0.1:{port}"} for p, port in peers.items()],
+    }
+    return parse(raw)
+
+
+def fleet_of(cfg: Config) -> Fleet:
+    return Fleet(cfg, PeerSecurity(PeerTransport(cfg)), Telemetry())
+
+
+def test_a_member_claiming_this_nodes_own_address_is_not_kept() -> None:
+    # A dead host's identity still names the address its spare (this node) took.
+    fleet = fleet_of(config("spare", {}, port=7000))
+    fleet._contacts_changed(
+        frozenset({Contact("127.0.0.1", 7000, "dead"), Contact("127.0.0.1", 7001, "other")})
+    )
+    assert [p.node_id for p in fleet.members()] == ["other"]
+
+
+def test_a_linked_node_answers_for_its_address_over_a_stale_claim() -> None:
+    fleet = fleet_of(config("me", {}, port=7000))
+    fleet._contacts_changed(
+        frozenset({Contact("127.0.0.1", 7001, "dead"), Contact("127.0.0.1", 7001, "spare")})
+    )
+    assert {p.node_id for p in fleet.members()} == {"dead", "spare"}  # nobody to tell
+    fleet.linked = lambda: frozenset({"spare"})
+    assert [p.node_id for p in fleet.members()] == ["spare"]
+
+
+def awaited_setup() -> tuple[Fleet, Config, frozenset[str]]:
+    """A node of eight past a mesh limit of four, and the overlay peers that should
+    dial it."""
+    ids = [f"n{i}" for i in range(8)]
+    cfg = config("n0", {n: 7001 + i for i, n in enumerate(ids[1:])})
+    awaited = overlay_peers(cfg) - {p.node_id for p in dial_plan(cfg)}
+    assert awaited and all("n0" in dial_targets(ids, n, 4) for n in awaited)
+    return fleet_of(cfg), cfg, awaited
+
+
+@pytest.mark.trio
+async def test_an_overlay_peer_that_never_dials_is_dialled_after_a_while(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    fleet, cfg, awaited = awaited_setup()
+    one, *others = sorted(awaited)
+    fleet.linked = lambda: frozenset({one})  # it dialled; the others did not
+    fleet._choose_overdue(cfg)
+    assert fleet.extra_dials() == frozenset()
+    await trio.sleep(OVERDUE_S - 1)
+    fleet._choose_overdue(cfg)
+    assert fleet.extra_dials() == frozenset()
+    await trio.sleep(1)
+    fleet._choose_overdue(cfg)
+    assert fleet.extra_dials() == frozenset(others)
+    # One of them dials after all: ours is dropped (one link per pair), and the
+    # peers the overlay has this node dial anyway are never counted as awaited.
+    fleet.dialled_by = lambda: frozenset(others[:1])
+    fleet.linked = lambda: frozenset({one, *others})
+    fleet._choose_overdue(cfg)
+    assert fleet.extra_dials() == frozenset(others[1:])
+    assert not fleet.extra_dials() & {p.node_id for p in dial_plan(cfg)}
+
+
+@pytest.mark.trio
+async def test_a_peer_that_leaves_the_overlay_is_no_longer_dialled(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    fleet, cfg, awaited = awaited_setup()
+    fleet._choose_overdue(cfg)
+    await trio.sleep(OVERDUE_S)
+    fleet._choose_overdue(cfg)
+    assert fleet.extra_dials() == awaited
+    smaller = config("n0", {p.node_id: p.port for p in cfg.peers[:2]})  # a full mesh now
+    fleet._choose_overdue(smaller)
+    assert fleet.extra_dials() == frozenset()
