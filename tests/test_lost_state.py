@@ -241,6 +241,39 @@ def test_an_adopted_mark_never_stands_in_for_a_restore_point() -> None:
     assert again.restore_point(STREAM) is None
 
 
+def test_an_adopted_mark_this_life_reaches_stands_in_after_compaction_too() -> None:
+    """The mark a node adopted from its lost life, then reached itself in this one, is
+    its own: after a restart it stands in for the restore point, whether the log was
+    compacted or not (a compacted log once brought it back as adopted only, and the
+    node then reported a lower point as a rise: an S3 violation the simulator found,
+    seed 420107)."""
+    spec = StreamSpec.create(STREAM, {"a": [0], "b": [1], "c": [2]}, Policy.all_of("nvme"))
+    old = [NodeCore(m, 1) for m in "abc"]
+    for rank, n in enumerate(old):
+        n.apply(Declare(spec))
+        for e in (1, 2):
+            n.apply(Commit(STREAM, rank, "nvme", e))
+    sync(*old)
+    a = NodeCore("a", 1, unsure_of_past=True)
+    a.plan_links(["b", "c"])
+    log: list[Fact] = [Declare(spec), Commit(STREAM, 0, "nvme", 1), Commit(STREAM, 0, "nvme", 2)]
+    for fact in log:
+        a.apply(fact)
+    for peer in old[1:]:
+        hello(a, peer)
+    sync(a, *old[1:])
+    assert a.restore_point(STREAM) == 2 and a.status(STREAM).high_water == 2
+    log += pending_facts(a)
+    # The mark is still marked adopted (this node in its evidence) while this life
+    # reached it too.
+    assert any(isinstance(f, HighWater) and "a" in [m for m, _, _ in f.evidence] for f in log)
+    for facts in (log, [Incarnation(a.incarnation), *a.compacted_facts()]):
+        again = NodeCore("a", a.incarnation + 1)
+        again.replay([f for f in facts if not isinstance(f, Incarnation)])
+        assert again.status(STREAM).high_water == 2
+        assert again.restore_point(STREAM) == 2, facts
+
+
 def _restarted(n: NodeCore, facts: list[Fact]) -> NodeCore:
     """``n`` after a restart from a log of ``facts``: its view of others is gone."""
     again = NodeCore(n.node_id, n.incarnation + 1)

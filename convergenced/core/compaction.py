@@ -70,7 +70,10 @@ class Compaction:
             if f.high_water is not None:
                 evidence = tuple((m, i, v) for m, (i, v) in sorted(f.evidence.items()))
                 mhw = f.membership_high_water
-                if mhw == f.high_water:
+                # An adopted mark (this node in its evidence) never stands in, so one
+                # this life also reached is written twice, or replay would lose the
+                # membership mark (`NodeCore._apply_high_water`).
+                if mhw == f.high_water and not f.high_water_adopted:
                     out.append(HighWater(name, f.high_water, evidence, f.spec.membership))
                 else:
                     out.append(HighWater(name, f.high_water, evidence, None))
