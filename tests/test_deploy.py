@@ -412,36 +412,47 @@ def check_daemon_container(c: dict[str, Any], pod: dict[str, Any]) -> None:
     assert sc["capabilities"]["drop"] == ["ALL"] and "add" not in sc["capabilities"]
 
 
-def check_config_files(
-    files: dict[str, str],
+def check_job_config(
+    text: str,
     *,
+    nodes: list[str],
     daemon: dict[str, Any],
     installer: dict[str, Any],
     volumes: list[dict[str, Any]],
     groups: set[int],
 ) -> list[config.Config]:
-    """Each file parses, and agrees with the containers that install and run it."""
+    """The one configuration of every pod of a job: it names no node, parses as each
+    of ``nodes`` (the node id from the pod's hostname), and agrees with the containers
+    that install and run it."""
+    raw = tomllib.loads(text)
+    assert not raw.keys() & {"node_id", "advertise", "peers", "trust"}, "it names no node"
     mounted = mounts(daemon, volumes)
     script = " ".join(installer["command"])
     cfgs = []
-    for name, text in files.items():
-        cfg = config.parse(tomllib.loads(text), name)
+    for node in nodes:
+        env = {"CONVERGENCED_NODE_ID": node, "CONVERGENCED_ADVERTISE": f"10.0.0.1:{PEER_PORT}"}
+        cfg = config.parse(raw, "convergenced.toml", env)
         cfgs.append(cfg)
-        assert name == f"{cfg.node_id}.toml", "the installer picks the file by node name"
+        assert cfg.node_id == node
+        assert cfg.fleet.ca_trust and not cfg.insecure, "trust from the job's CA"
         assert cfg.listen_port == PEER_PORT
         assert cfg.metrics_listen == ("0.0.0.0", METRICS_PORT), "probes come from outside"
         assert cfg.socket_path.parent.is_relative_to(SOCKET_DIR)
         assert cfg.state_dir == STATE_DIR and str(STATE_DIR) in mounted
-        assert not mounted[str(STATE_DIR)].get("configMap")
-        assert cfg.tls is not None and cfg.peers, "a real cluster: peers over mutual TLS"
-        assert all(p.port == PEER_PORT for p in cfg.peers)
-        for path in (cfg.tls.cert, cfg.tls.key, cfg.tls.ca, cfg.identity_path):
+        assert cfg.tls is not None
+        for path in (cfg.tls.cert, cfg.tls.key, cfg.tls.ca):
             # Copied out of the Secret by the installer, into the volume the daemon reads.
             assert path.is_relative_to(CONFIG_PATH.parent), path
             assert f" {path}" in script, f"{path} is not written by {installer['name']}"
-        for private in (cfg.tls.key, cfg.identity_path):
-            assert "install -m 0600 " in script.split(str(private))[0].rsplit(";", 1)[-1]
+        assert "install -m 0600 " in script.split(str(cfg.tls.key))[0].rsplit(";", 1)[-1]
+        # The identity key is the daemon's to create: on a writable volume of its own,
+        # apart from the state directory.
+        at, volume = mount_of(str(cfg.identity_path), daemon, volumes)
+        assert "emptyDir" in volume and at != str(STATE_DIR)
+        assert not by_name(daemon["volumeMounts"], volume["name"]).get("readOnly")
         assert groups & set(cfg.allowed_gids), "the training side's group may use the socket"
+        for path in (cfg.state_dir, cfg.identity_path):
+            assert not mount_of(str(path), daemon, volumes)[1].get("configMap")
     assert f" {CONFIG_PATH};" in script
     etc = mounted[str(CONFIG_PATH.parent)]
     assert etc.get("emptyDir", {}).get("medium") == "Memory", "keys stay off the node's disk"
@@ -1003,26 +1014,44 @@ def test_sidecar_example_agrees_with_the_daemon() -> None:
     assert "emptyDir" in run_volume
     assert mounts(trainer, volumes)[str(SOCKET_DIR)] is run_volume
 
-    cfgs = check_config_files(
-        configmap("trainer-convergenced"),
+    # One pod template and one configuration: a pod's node id is its hostname,
+    # trainer-<completion index> (Indexed mode, with the Service as subdomain), and
+    # the address its peers dial is its pod IP.
+    assert job["spec"]["completionMode"] == "Indexed"
+    nodes = [f"trainer-{i}" for i in range(job["spec"]["completions"])]
+    data = configmap("trainer-convergenced")
+    assert list(data) == ["convergenced.toml"]
+    cfgs = check_job_config(
+        data["convergenced.toml"],
+        nodes=nodes,
         daemon=sidecar,
         installer=installer,
         volumes=volumes,
         groups={pod["securityContext"]["fsGroup"]},
     )
+    assert "CONVERGENCED_NODE_ID" not in {e["name"] for e in sidecar["env"]}
+    assert field_ref(sidecar, "POD_IP") == "status.podIP"
+    sidecar_env = {e["name"]: e.get("value") for e in sidecar["env"]}
+    assert sidecar_env["CONVERGENCED_ADVERTISE"] == f"$(POD_IP):{PEER_PORT}"
+    names = [e["name"] for e in sidecar["env"]]
+    assert names.index("POD_IP") < names.index("CONVERGENCED_ADVERTISE"), "$(POD_IP) expands"
     env = {e["name"]: e.get("value") for e in trainer["env"]}
+    service = k8s_object("Service", path)
+    meta = service["metadata"]
     for cfg in cfgs:
         assert env["CONVERGENCED_SOCKET"] == str(cfg.socket_path)
         # An emptyDir is world-writable, where the daemon refuses to put its socket:
         # it goes one level down, in a directory the daemon creates 0750.
         assert cfg.socket_path.parent.parent == SOCKET_DIR
-        # Peers are the other pods of the job, by their stable names.
-        assert {p.host for p in cfg.peers} == {
-            f"trainer-{i}.trainer" for i in range(job["spec"]["completions"])
-        } - {f"{cfg.node_id}.trainer"}
-    assert len(cfgs) == job["spec"]["completions"]
-    assert job["spec"]["completionMode"] == "Indexed"
-    service = k8s_object("Service", path)
+        # Peers are the pods of the job, from the headless Service's records.
+        assert cfg.discovery is not None
+        assert cfg.discovery.dns == f"{meta['name']}.{meta['namespace']}.svc.cluster.local"
+    # Each pod's certificate, by its completion index.
+    script = " ".join(installer["command"])
+    assert '"/keys-src/trainer-$INDEX.crt"' in script and '"/keys-src/trainer-$INDEX.key"' in script
+    assert field_ref(installer, "INDEX").endswith("['batch.kubernetes.io/job-completion-index']")
+    cm_meta = k8s_object("ConfigMap", path)["metadata"]
+    assert job["metadata"]["namespace"] == meta["namespace"] == cm_meta["namespace"]
     assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"]
     assert [p["port"] for p in service["spec"]["ports"]] == [PEER_PORT]
     assert pod["subdomain"] == service["metadata"]["name"]
