@@ -62,28 +62,32 @@ def test_the_figure_is_blocking_over_interval_for_the_worst_rank() -> None:
     assert o.describe("job") is None
     o.add("job", 0, 2.0, None)  # a first save has no interval: no figure yet
     assert o.describe("job") is None and o.tracks("job")
+    # Each interval goes with the blocking of the save that began it (a cycle).
     o.add("job", 0, 1.0, 20.0)
-    o.add("job", 0, 3.0, 20.0)
-    o.add("job", 1, 1.0, 40.0)
+    o.add("job", 0, 30.0, 20.0)  # its blocking belongs to the next cycle
+    o.add("job", 1, 1.0, 40.0)  # one save: no cycle yet
     now[0] = 105.0
     d = o.describe("job")
-    assert d == {"ratio": 0.1, "rank": 0, "saves": 2, "blocking_s": 2.0, "interval_s": 20.0,
-                 "ranks": 2, "age_s": 5.0}  # fmt: skip
+    assert d == {"ratio": 0.075, "rank": 0, "saves": 2, "blocking_s": 1.5, "interval_s": 20.0,
+                 "ranks": 1, "age_s": 5.0}  # fmt: skip
     # A rank that blocks more sets the figure.
     o.add("job", 1, 20.0, 40.0)
+    o.add("job", 1, 1.0, 40.0)
     d = o.describe("job")
-    assert d is not None and d["rank"] == 1 and d["ratio"] == pytest.approx(21 / 80)
+    assert d is not None and (d["rank"], d["ranks"]) == (1, 2)
+    assert d["ratio"] == pytest.approx(21 / 80)
 
 
 def test_only_the_recent_saves_count_and_memory_is_bounded() -> None:
     o = SaveOverheads(lambda: 0.0)
     for _ in range(100):
         o.add("job", 0, 10.0, 20.0)  # an old, slow period
-    for _ in range(SAVES_PER_RANK):
+    for _ in range(SAVES_PER_RANK + 1):
         o.add("job", 0, 1.0, 100.0)
     d = o.describe("job")
     assert d is not None and d["ratio"] == pytest.approx(0.01) and d["saves"] == SAVES_PER_RANK
     for rank in range(MAX_RANKS + 10):
+        o.add("big", rank, 1.0, None)
         o.add("big", rank, 1.0, 10.0)
     ranks = o.ranks("big")
     assert len(ranks) == MAX_RANKS and min(r.rank for r in ranks) == 10  # oldest dropped
@@ -93,6 +97,7 @@ def test_only_the_recent_saves_count_and_memory_is_bounded() -> None:
 
 def test_a_zero_interval_gives_zero_not_a_division_error() -> None:
     o = SaveOverheads(lambda: 0.0)
+    o.add("job", 0, 0.0, None)
     o.add("job", 0, 0.0, 0.0)
     d = o.describe("job")
     assert d is not None and d["ratio"] == 0.0

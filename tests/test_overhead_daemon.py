@@ -58,7 +58,7 @@ def test_saves_timed_by_the_integration_give_the_overhead_figure(tmp_path: Path)
         for blocking, interval in ((5.0, None), (5.0, 10.0), (5.0, 10.0)):
             client.report_save(STREAM, 1, blocking, interval)
         o = client.state(STREAM)["overhead"]
-        # Its three timed saves count beside them (its last 16): just under 10 s of 20.
+        # Its three timed cycles count beside the two new ones: just under 10 s of 20.
         assert o["rank"] == 1 and 0.4 < o["ratio"] < 0.5, o
         assert _metrics(cluster)[GAUGE] == pytest.approx(o["ratio"])
         out = subprocess.run(

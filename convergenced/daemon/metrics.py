@@ -132,9 +132,10 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("drill_load_bytes_per_second", "gauge", D, "load bandwidth of the last drill that "
        "restored every rank's checkpoint in the domain"),
     _m("checkpoint_overhead_ratio", "gauge", S, "fraction of the job's time its saves block "
-       "training: the blocking seconds of the recent saves (the last 16 of a rank) over the "
-       "time between them, for the worst rank of this node; only where an integration "
-       "times the saves (`report_save`), and absent until a rank reported two saves"),
+       "training: over a rank's last 16 save cycles (one save's start to the next's), the "
+       "seconds its saves blocked over the cycles' length, for the worst rank of this node; "
+       "only where an integration times the saves (`report_save`), and absent until a rank "
+       "reported two saves"),
     # -- peers
     _m("peer_up", "gauge", P, "1 while an established link to the peer is up"),
     _m("peer_exchange_rtt_seconds", "histogram", P,

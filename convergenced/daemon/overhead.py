@@ -8,10 +8,14 @@ each stream in memory and sums them into one figure per stream:
 
     overhead = sum(blocking seconds) / sum(intervals)
 
-over the last `SAVES_PER_RANK` saves of a rank that have an interval (a rank's first
-save has none), taking the worst rank of this node: the slowest rank sets the pace
-of a synchronous job. It is not a protocol fact: nothing is logged or gossiped, a
-restart forgets it, and a stream no integration reports for has no figure.
+over the last `SAVES_PER_RANK` save cycles of a rank, taking the worst rank of this
+node: the slowest rank sets the pace of a synchronous job. A cycle runs from the start
+of one save to the start of the next: its interval is what the later save reports, its
+blocking what the earlier one reported, so a cycle's blocking lies within it and the
+figure stays between 0 and 1. A rank's first save (no interval) opens a cycle only.
+
+It is not a protocol fact: nothing is logged or gossiped, a restart forgets it, and a
+stream no integration reports for has no figure.
 
 Memory is bounded: `SAVES_PER_RANK` saves per rank, `MAX_RANKS` ranks per stream
 (the least recently reported is dropped first), and only declared streams (the
@@ -27,8 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 SAVES_PER_RANK = 16
-"""Saves of one rank the figure is taken over: recent enough to follow a change of
-the save interval, many enough to smooth one slow save."""
+"""Save cycles of one rank the figure is taken over: recent enough to follow a change
+of the save interval, many enough to smooth one slow save."""
 MAX_RANKS = 4096
 """Ranks of one stream kept per node (a node hosts far fewer)."""
 
@@ -49,7 +53,7 @@ class RankOverhead:
 
     rank: int
     saves: int
-    """Saves with an interval the figure is taken over."""
+    """Save cycles the figure is taken over."""
     blocking_s: float
     interval_s: float
 
@@ -76,7 +80,7 @@ class SaveOverheads:
         if saves is None:
             if len(ranks) >= MAX_RANKS:
                 ranks.popitem(last=False)  # the rank heard from least recently
-            saves = ranks[rank] = deque(maxlen=SAVES_PER_RANK)
+            saves = ranks[rank] = deque(maxlen=SAVES_PER_RANK + 1)  # + 1 opens the oldest
         else:
             ranks.move_to_end(rank)
         saves.append(Save(blocking_s, interval_s))
@@ -94,19 +98,22 @@ class SaveOverheads:
             self._last.pop(stream, None)
 
     def ranks(self, stream: str) -> list[RankOverhead]:
-        """The figure of each rank of ``stream`` that has at least one interval."""
+        """The figure of each rank of ``stream`` that has at least one whole cycle."""
         out = []
         for rank, saves in self._saves.get(stream, {}).items():
-            timed = [s for s in saves if s.interval_s is not None]
-            if timed:
-                blocking = sum(s.blocking_s for s in timed)
-                interval = sum(s.interval_s or 0.0 for s in timed)
-                out.append(RankOverhead(rank, len(timed), blocking, interval))
+            cycles = [(before.blocking_s, after.interval_s)
+                      for before, after in zip(saves, list(saves)[1:], strict=False)
+                      if after.interval_s is not None]  # fmt: skip
+            if cycles:
+                blocking = sum(b for b, _ in cycles)
+                interval = sum(i for _, i in cycles)
+                out.append(RankOverhead(rank, len(cycles), blocking, interval))
         return out
 
     def describe(self, stream: str) -> dict[str, Any] | None:
         """The ``overhead`` part of a stream's state map: the worst rank's figure,
-        or None while no rank has reported two saves (since the daemon started)."""
+        or None while no rank has reported two saves in a row (since the daemon
+        started)."""
         ranks = self.ranks(stream)
         if not ranks:
             return None
