@@ -516,6 +516,13 @@ class AsyncClient:
             args["domain"] = domain
         return dict(await self.call("drill", **args))
 
+    async def report_save(
+        self, stream: str, rank: int, blocking_s: float, interval_s: float | None = None
+    ) -> dict[str, Any]:
+        """See `Client.report_save`."""
+        return dict(await self.call("report_save", stream=stream, rank=rank,
+                                    blocking_s=blocking_s, interval_s=interval_s))  # fmt: skip
+
     @asynccontextmanager
     async def watch(self, stream: str) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
         """See `Client.watch`. A context manager, so the watch ends when the block does::

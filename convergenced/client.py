@@ -318,6 +318,32 @@ class Client:
         return dict(self.call("report_version", component=component, running=running,
                               accepts=acc))  # fmt: skip
 
+    def report_save(
+        self, stream: str, rank: int, blocking_s: float, interval_s: float | None = None
+    ) -> dict[str, Any]:
+        """Report one save of ``rank``: ``blocking_s`` seconds the training loop waited
+        for it, ``interval_s`` since the rank's previous save started (None: the first
+        save). It feeds the checkpoint overhead figure of ``state`` and
+        ``convergenced_checkpoint_overhead_ratio`` (docs/verification.md); nothing
+        durable. Training code that must not wait uses `report_save_nowait`."""
+        return dict(self.call("report_save", stream=stream, rank=rank, blocking_s=blocking_s,
+                              interval_s=interval_s))  # fmt: skip
+
+    def report_save_nowait(
+        self, stream: str, rank: int, blocking_s: float, interval_s: float | None = None
+    ) -> PendingCommit:
+        """`report_save` without waiting: sent at once if connected, never waiting for
+        a reconnect; the reply (or error) comes to the returned `PendingCommit`.
+
+        Raises:
+            DaemonUnreachable: not connected now (the report is dropped).
+        """
+        args: dict[str, Any] = {"stream": stream, "rank": rank, "blocking_s": blocking_s}
+        if interval_s is not None:
+            args["interval_s"] = interval_s
+        _, req = self._connection.send("report_save", args, wait=False)
+        return PendingCommit(req, "report_save")
+
     def note_rollout(self, text: str) -> dict[str, Any]:
         """Add ``text`` (a JSON object, at most 4096 chars) to this node's rollout audit
         trail, kept in its log (the newest 64); durable when it returns."""
@@ -369,10 +395,12 @@ class Client:
 
 
 class PendingCommit:
-    """A commit sent by `Client.commit_nowait`, its acknowledgement still to come."""
+    """A commit sent by `Client.commit_nowait` (or a report by
+    `Client.report_save_nowait`), its acknowledgement still to come."""
 
-    def __init__(self, req: Request) -> None:
+    def __init__(self, req: Request, what: str = "commit") -> None:
         self._req = req
+        self._what = what
         self._reply: Any = None
 
     def done(self) -> bool:
@@ -392,7 +420,7 @@ class PendingCommit:
             try:
                 self._reply = self._req.box.get(timeout=timeout)
             except queue.Empty:
-                raise TimeoutError(f"no answer to the commit within {timeout} s") from None
+                raise TimeoutError(f"no answer to the {self._what} within {timeout} s") from None
         if isinstance(self._reply, Lost):
             raise DaemonUnreachable(self._reply.message)
         return dict(result_of(self._reply))

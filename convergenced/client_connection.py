@@ -342,11 +342,13 @@ class Connection:
             with suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
 
-    def send(self, op: str, args: dict[str, Any]) -> tuple[int, Request]:
-        """Send a request, once connected (waiting at most for the reconnect bound).
+    def send(self, op: str, args: dict[str, Any], *, wait: bool = True) -> tuple[int, Request]:
+        """Send a request, once connected (waiting at most for the reconnect bound;
+        without ``wait``, not at all).
 
         Raises:
-            DaemonUnreachable: no connection, and none again within the bound.
+            DaemonUnreachable: no connection, and none again within the bound (without
+                ``wait``: none now).
         """
         me = threading.get_ident()
         with self._cond:
@@ -358,6 +360,8 @@ class Connection:
                 if self._link is _Link.UP:
                     internal = False
                     break
+                if not wait:
+                    raise DaemonUnreachable(f"not connected to the daemon ({self._link.value})")
                 if self._link is _Link.DOWN:
                     if self._final or waited_through == self._outages:
                         raise DaemonUnreachable(self._lost)

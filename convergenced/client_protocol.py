@@ -32,7 +32,9 @@ still unanswered (`RETRIED`), each of which may be sent twice because:
   the epoch is no longer held) and the caller keeps its file; the checkpoint store
   deletes it when the daemon later refuses its commit as ``retired``.
 
-``cancel`` is never sent again (what it cancelled is gone with the connection). A
+``cancel`` is never sent again (what it cancelled is gone with the connection), nor
+``report_save``: the figure it feeds lives in the daemon's memory, which a restart
+clears anyway, and a save reported twice would count twice. A
 refusal for good (``not_allowed``: this uid may not use the daemon) is not retried.
 """
 

@@ -173,6 +173,7 @@ def test_every_operation_parses_into_typed_arguments() -> None:
         "report_version",
         "versions",
         "note_rollout",
+        "report_save",
         "cancel",
     }
     assert _parse("drill", stream="job").args == {"stream": "job", "epoch": None, "domain": None}

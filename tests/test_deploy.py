@@ -1178,6 +1178,7 @@ def test_alert_rules_are_complete() -> None:
         "ConvergencedCheckpointFailedVerification",
         "ConvergencedRestorePointUnverified",
         "ConvergencedDrillFailed",
+        "ConvergencedCheckpointOverheadHigh",
     } <= set(names)
     for r in rules:
         assert r["labels"]["severity"] in {"critical", "warning"}, r["alert"]
@@ -1384,8 +1385,28 @@ def test_alerts_fire_when_they_should(tmp_path: Path) -> None:
                     domain="nvme",
                     instance="n2",
                 ),
+                # Saves block 20% of the time from minute 10 on; a neighbour 5%.
+                series(
+                    "convergenced_checkpoint_overhead_ratio", "0.02x9 0.2x300", stream="job", **n1
+                ),
+                series(
+                    "convergenced_checkpoint_overhead_ratio",
+                    "0.05x300",
+                    stream="job",
+                    instance="n2",
+                ),
             ],
             "alert_rule_test": [
+                {
+                    "eval_time": "30m",
+                    "alertname": "ConvergencedCheckpointOverheadHigh",
+                    "exp_alerts": [],
+                },
+                {
+                    "eval_time": "45m",
+                    "alertname": "ConvergencedCheckpointOverheadHigh",
+                    "exp_alerts": [{"exp_labels": warning | n1 | {"stream": "job"}}],
+                },
                 {
                     "eval_time": "5m",
                     "alertname": "ConvergencedCheckpointFailedVerification",
@@ -1563,6 +1584,8 @@ class _StateOfOneStream:
             "checkpoint_requested": {"after": 7},
             "verification": {"nvme": {"restore_point": 5, "verified": True, "age_s": 30.0,
                                       "last_outcome": "ok", "last_epoch": 5}},
+            "overhead": {"ratio": 0.05, "rank": 0, "saves": 4, "blocking_s": 1.5,
+                         "interval_s": 30.0, "ranks": 1, "age_s": 10.0},
         }  # fmt: skip
 
     def node_id(self) -> str:

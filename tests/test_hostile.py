@@ -672,6 +672,7 @@ OP_ARGS: dict[str, tuple[str, ...]] = {
     "report_version": ("component", "running", "accepts"),
     "versions": ("stream",),
     "note_rollout": ("text",),
+    "report_save": ("stream", "rank", "blocking_s", "interval_s"),
     "cancel": ("target",),
 }
 assert set(OP_ARGS) == set(codec.OPS)
@@ -742,6 +743,8 @@ GOOD_ARGS: dict[str, st.SearchStrategy[Any]] = {
     "running": st.text(max_size=10),
     "accepts": st.lists(st.text(max_size=10), max_size=3),
     "text": st.text(max_size=20),
+    "blocking_s": st.floats(0, 1e7),
+    "interval_s": st.one_of(st.none(), st.floats(0, 1e7)),
 }
 BAD_VALUES = st.one_of(BAD_NAMES, INTS, FLOATS, VALUES)
 
@@ -937,6 +940,8 @@ def request_expectation(obj: Any, earlier_tasks: set[int], cancels: bool) -> Exp
         outcomes = {"rejected/*"}  # the target has no catalogue: nothing to report
     elif req.op == "note_rollout":
         return None  # a note is kept: it changes what versions answers
+    elif req.op == "report_save" and stream == STREAM:
+        return None  # a save is kept: it changes the stream's state
     elif req.op == "drain":
         if req.args["node"] != "node-1":
             outcomes = {"rejected/wrong_node"}

@@ -218,6 +218,14 @@ def test_a_relaunch_loads_the_agreed_step_not_torchtitans_highest_with_metadata(
         )
         client = cluster.client(1)
         assert client.wait(STREAM, 7, timeout=20)["restore_point"] == 7
+        # The manager timed its saves (2, 4, 6 and 7) and reported them: the figure is
+        # the share of the save cycles the loop waited, on every node.
+        for i in (1, 2):
+            overhead = cluster.client(i).state(STREAM)["overhead"]
+            assert overhead is not None and overhead["saves"] == 3, overhead
+            assert 0 < overhead["ratio"] < 1, overhead
+            ratio = f'convergenced_checkpoint_overhead_ratio{{stream="{STREAM}"}}'
+            assert _metric(cluster, i, ratio) == overhead["ratio"]
         folder = dump / "checkpoint"
         # Rank 1's part of step 7 is lost (its disk, or the store, lost the object).
         (folder / "step-7" / "__1_0.distcp").unlink()

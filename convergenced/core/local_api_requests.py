@@ -42,6 +42,9 @@ from convergenced.core.versions import (
 )
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+MAX_SAVE_SECONDS = 1e7
+"""The longest save, or time between two saves, a ``report_save`` may state (about
+116 days): finite and far above any real one, so a sum of them stays exact enough."""
 
 
 class Request(NamedTuple):
@@ -154,6 +157,22 @@ def _drill(a: Mapping[Any, Any], p: str) -> dict[str, Any]:
     return out
 
 
+def _seconds(a: Mapping[Any, Any], p: str, name: str) -> float:
+    t: Any = a.get(name)
+    # NaN and the infinities fail the range; a bool is not a duration.
+    if type(t) not in (int, float) or not 0 <= t <= MAX_SAVE_SECONDS:
+        raise bad_request(f"{p}.{name}: {t!r}; expected seconds from 0 to {MAX_SAVE_SECONDS:g}")
+    return float(t)
+
+
+def _report_save(a: Mapping[Any, Any], p: str) -> dict[str, Any]:
+    out = _stream(a, p)
+    out["rank"] = _int(a.get("rank"), f"{p}.rank")
+    out["blocking_s"] = _seconds(a, p, "blocking_s")
+    out["interval_s"] = None if a.get("interval_s") is None else _seconds(a, p, "interval_s")
+    return out
+
+
 MAX_DRAIN_STREAMS = 256
 """Streams one drain request may name."""
 
@@ -222,6 +241,7 @@ _OPS: dict[str, tuple[Any, frozenset[str]]] = {
     "report_version": (_report_version, frozenset(("component", "running", "accepts"))),
     "versions": (_versions, frozenset(("stream",))),
     "note_rollout": (_note_rollout, frozenset(("text",))),
+    "report_save": (_report_save, frozenset(("stream", "rank", "blocking_s", "interval_s"))),
     "cancel": (_cancel, frozenset(("target",))),
 }
 OPS = tuple(_OPS)

@@ -51,6 +51,7 @@ from convergenced.ctl.formatting import (
     _value,
     format_intervals,
     format_last_drill,
+    format_overhead,
     format_stored,
     format_verification,
 )
@@ -282,6 +283,8 @@ def render_top(
         pairs.append(("verified", verified))
     if drill := format_last_drill(state):
         pairs.append(("last drill", drill))
+    if overhead := format_overhead(state):
+        pairs.append(("save overhead", overhead))
     if state.get("missing"):
         pairs.append(("missing", _names(state["missing"])))
     if state.get("conflicts"):

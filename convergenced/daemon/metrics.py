@@ -131,6 +131,11 @@ CATALOG: tuple[MetricSpec, ...] = (
        "`verifications` the restore success ratio"),
     _m("drill_load_bytes_per_second", "gauge", D, "load bandwidth of the last drill that "
        "restored every rank's checkpoint in the domain"),
+    _m("checkpoint_overhead_ratio", "gauge", S, "fraction of the job's time its saves block "
+       "training: over a rank's last 16 save cycles (one save's start to the next's), the "
+       "seconds its saves blocked over the cycles' length, for the worst rank of this node; "
+       "only where an integration times the saves (`report_save`), and absent until a rank "
+       "reported two saves"),
     # -- peers
     _m("peer_up", "gauge", P, "1 while an established link to the peer is up"),
     _m("peer_exchange_rtt_seconds", "histogram", P,
@@ -253,6 +258,9 @@ class StateCollector(Collector):
             for domain, v in s.get("verification", {}).items():
                 if v["age_s"] is not None:
                     gauge("restore_point_verified_age_seconds", [stream, domain], v["age_s"])
+            overhead = s.get("overhead")
+            if overhead is not None:
+                gauge("checkpoint_overhead_ratio", [stream], overhead["ratio"])
             own = s["newest"].get(src.node_id(), {})
             if rp is not None and own:
                 gauge("rpo_epochs", [stream], max(0, max(own.values()) - rp))

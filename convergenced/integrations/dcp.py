@@ -54,6 +54,11 @@ the directory.
 it). ``dcp.async_save`` with the thread executor (the default) only: the process
 executor pickles the writer into another process. The metadata is a pickle, read as
 DCP reads it: trust the storage you point it at.
+
+**Overhead.** `save` and `async_save` time what the training loop waits for (all of
+a save; the staging of an asynchronous one) and report it to the daemon, best effort
+(`convergenced.integrations.save_timing`): the checkpoint overhead figure of
+docs/verification.md.
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ import os
 import re
 import threading
 from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -98,6 +104,7 @@ from convergenced.integrations.errors import (
     ShardUnavailableError,
 )
 from convergenced.integrations.launches import Launch, as_spec, shared_generation, shared_launch
+from convergenced.integrations.save_timing import SaveTimer
 from convergenced.integrations.store_api import DaemonClient, in_intervals
 
 __all__ = [
@@ -141,6 +148,10 @@ class DcpCheckpointer:
     Thread-safe: `async_save` commits from DCP's background thread while the training
     thread saves, loads or collects. Use it as a context manager or call `close`.
     """
+
+    times_saves = True
+    """Whether `save` and `async_save` report their time (`save_timer`); False where
+    the caller times more of the save the loop waits for (torchtitan's manager)."""
 
     def __init__(
         self,
@@ -221,6 +232,8 @@ class DcpCheckpointer:
         its deletion was allowed): not counted."""
         self.recommitted: list[int] = []
         """Epochs the last pass on open (or after a reconnect) committed."""
+        self.save_timer = SaveTimer(client, self.stream, rank)
+        """Times `save` and `async_save` for the checkpoint overhead figure."""
         self._hooked = False
         if recommit:
             self.recommit()
@@ -361,8 +374,13 @@ class DcpCheckpointer:
         ``storage_writer=`` in ``dcp_kwargs`` is wrapped; the others go to ``dcp.save``.
         """
         w = self.writer(epoch, dcp_kwargs.pop("storage_writer", None))
-        metadata: Metadata = dcp_save(state_dict, storage_writer=w, **dcp_kwargs)
+        with self._timed():
+            metadata: Metadata = dcp_save(state_dict, storage_writer=w, **dcp_kwargs)
         return metadata
+
+    def _timed(self) -> AbstractContextManager[None]:
+        """`SaveTimer.timing`, unless a caller times the save itself (`times_saves`)."""
+        return self.save_timer.timing() if self.times_saves else nullcontext()
 
     def async_save(self, state_dict: dict[str, Any], epoch: int, **dcp_kwargs: Any) -> Any:
         """``dcp.async_save`` through `writer`: the commits happen on DCP's thread once the
@@ -372,7 +390,8 @@ class DcpCheckpointer:
             What ``dcp.async_save`` returns (a future, or an ``AsyncSaveResponse``).
         """
         w = self.writer(epoch, dcp_kwargs.pop("storage_writer", None))
-        result = dcp_async_save(state_dict, storage_writer=w, **dcp_kwargs)
+        with self._timed():  # what the loop waits for: the staging, not the upload
+            result = dcp_async_save(state_dict, storage_writer=w, **dcp_kwargs)
         fut = result.upload_completion if isinstance(result, AsyncSaveResponse) else result
         with self._lock:
             self._pending = [f for f in self._pending if not f.done()] + [fut]

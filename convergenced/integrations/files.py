@@ -103,6 +103,7 @@ from convergenced.integrations.launches import (
     solo_launch,
 )
 from convergenced.integrations.recommit import Ledger, Recommitted
+from convergenced.integrations.save_timing import SaveTimer
 from convergenced.integrations.shards import (
     Payload,
     Shard,
@@ -181,6 +182,10 @@ class CheckpointStore:
     thread-safe; use it as a context manager or call `close`.
     """
 
+    times_saves = True
+    """Whether `save` reports its time (`save_timer`); False where the caller times
+    more of the save (`convergenced.integrations.torch.TorchCheckpointer`)."""
+
     def __init__(
         self,
         client: DaemonClient,
@@ -244,6 +249,8 @@ class CheckpointStore:
         self.rank = rank
         self.local = local
         self.remote = remote
+        self.save_timer = SaveTimer(client, stream, rank)
+        """Times `save` for the checkpoint overhead figure (docs/verification.md)."""
         self._lock = threading.Lock()  # serializes an upload's copy + commit with gc
         self._uploads = Uploader(
             self._upload, upload_delay, name=f"convergenced-upload-{stream}-{rank}"
@@ -323,6 +330,12 @@ class CheckpointStore:
             DaemonUnreachable: the daemon cannot be reached within the reconnect bound.
             OSError: the local write failed (nothing was committed).
         """
+        if not self.times_saves:
+            return self._save(epoch, payload)
+        with self.save_timer.timing():  # the write, fsync and commit the loop waits for
+            return self._save(epoch, payload)
+
+    def _save(self, epoch: int, payload: Payload) -> Shard:
         if self._closed:
             raise CheckpointError("the store is closed")
         if type(epoch) is not int or epoch < 0:

@@ -8,7 +8,7 @@ restart, every rank lists that folder and loads the highest ``step-N`` holding a
 still being written. Nothing checks that the step every rank picks is the same, nor
 that every rank's files of it are there.
 
-`ConvergencedCheckpointManager` is that manager with three seams replaced:
+`ConvergencedCheckpointManager` is that manager with three seams replaced, and its saves timed:
 
 * **load** (``load(step=-1)``, what the trainer calls first): every rank asks its
   daemon for the restore point of the launch's recovery generation and loads exactly
@@ -21,6 +21,10 @@ that every rank's files of it are there.
   completes. A model-only final save (``last_save_model_only``, the default) and a
   Hugging Face export are not training states a run can resume from: they are written
   as torchtitan writes them and never committed.
+* **overhead**: each save the trainer waits for is timed, from the wait for the
+  previous asynchronous save to the purge (and a pinned-memory save's staging wait),
+  and reported to the daemon, best effort: the checkpoint overhead figure of
+  docs/verification.md. Exports are not counted.
 * **purge** (``keep_latest_k`` > 0): each rank deletes only the steps the daemon lists
   as safe to delete (older than every member's restore point, minus the spec's
   ``retention``), retiring them first, and never one of the newest ``keep_latest_k``.
@@ -55,6 +59,7 @@ import json
 import logging
 import os
 import re
+import time
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -178,6 +183,8 @@ def _define(base: Any, async_modes: Any) -> type[Any]:
         """The DCP checkpointer, for whom a model-only export is never a whole step:
         it is not committed again on open, nor loaded as a restore point."""
 
+        times_saves = False  # the manager times all of a save the loop waits for
+
         def complete(self, epoch: int) -> DcpCompleteness:
             found = super().complete(epoch)
             if found.ok and not resumable(found.step_dir):
@@ -286,6 +293,7 @@ def _define(base: Any, async_modes: Any) -> type[Any]:
             """What purges deleted so far (the dcp checkpointer's records)."""
             self._agreed: int | _NotAsked | None = _NOT_ASKED
             self._exporting = False
+            self._committing = False  # the save in progress is one dcp_save commits
 
         # -- load: the agreed restore point ---------------------------------------------
 
@@ -368,6 +376,23 @@ def _define(base: Any, async_modes: Any) -> type[Any]:
 
         # -- save: commit what is loadable -----------------------------------------------
 
+        def _save(self, curr_step: int, last_step: bool = False) -> bool:
+            # Timed whole: the wait for the previous asynchronous save, the garbage
+            # collections, the staging and the purge all hold the training loop.
+            started = time.perf_counter()
+            self._committing = False
+            saved = bool(super()._save(curr_step, last_step))
+            if saved and self._committing:  # an export is not a checkpoint's cost
+                self.convergenced.save_timer.saved(started, time.perf_counter() - started)
+            return saved
+
+        def _maybe_wait_for_staging(self) -> None:
+            # The trainer waits for a pinned-memory save's staging after the save
+            # returned: counted with the next save.
+            started = time.perf_counter()
+            super()._maybe_wait_for_staging()
+            self.convergenced.save_timer.extra_s += time.perf_counter() - started
+
         def dcp_save(
             self,
             state_dict: dict[str, Any],
@@ -386,6 +411,7 @@ def _define(base: Any, async_modes: Any) -> type[Any]:
                 return super().dcp_save(
                     state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf
                 )
+            self._committing = True
             result: Any = None
             if async_mode == async_modes.ASYNC:
                 result = self.convergenced.async_save(state_dict, epoch, process_group=self.pg)

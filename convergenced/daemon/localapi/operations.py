@@ -14,6 +14,8 @@ a session runs it:
   reveal;
 * ``WAIT`` (wait, restore_point, next_generation, watch, drain): a task that may
   wait for the cluster; ended with ``unavailable`` at shutdown;
+* ``NOTE`` (report_save): a figure the integrations report, kept in memory only
+  (nothing logged or gossiped), answered at once;
 * ``SESSION`` (cancel): addresses the session's own requests; the session answers
   it itself.
 
@@ -45,6 +47,7 @@ from convergenced.core.facts import Commit, Declare, Fact, Retract
 from convergenced.core.local_api_codec import ApiError, ErrorKind
 from convergenced.core.node import NodeCore
 from convergenced.daemon.localapi.watches import Snapshot, StreamFeed
+from convergenced.daemon.overhead import SaveOverheads
 from convergenced.daemon.peers.session import PeerHub
 from convergenced.daemon.telemetry import Telemetry
 
@@ -58,6 +61,7 @@ class OpKind(Enum):
     FACT = "fact"
     READ = "read"
     WAIT = "wait"
+    NOTE = "note"
     SESSION = "session"
 
 
@@ -90,6 +94,8 @@ class LocalOperations:
         """The ``drill`` part of a stream's state (the daemon's drills)."""
         self.drill: Callable[[str, int | None, str | None], Awaitable[dict[str, Any]]] = _no_drills
         """Runs a drill (`verification.drills.Drills.drill`)."""
+        self.overheads = SaveOverheads(trio.current_time)
+        """The recent saves the integrations reported (`report_save`)."""
 
     # -- facts ------------------------------------------------------------------
 
@@ -175,6 +181,7 @@ class LocalOperations:
         out = results.status_to_wire(status, self.checkpoints.pending(status))
         out["verification"] = self.verification(stream)
         out["drill"] = self.last_drill(stream)
+        out["overhead"] = self.overheads.describe(stream)
         return out
 
     def streams(self) -> list[str]:
@@ -191,6 +198,28 @@ class LocalOperations:
     def status(self) -> dict[str, Any]:
         """Daemon status: identity, links, clients, counters."""
         return self._status()
+
+    def report_save(
+        self, stream: str, rank: int, blocking_s: float, interval_s: float | None
+    ) -> dict[str, Any]:
+        """Keep one save of ``rank`` for the checkpoint overhead figure
+        (`convergenced.daemon.overhead`); nothing durable.
+
+        Raises:
+            ApiError: ``unknown_stream``, ``unknown_rank`` (not a rank this node hosts
+                in the stream); nothing kept.
+        """
+        self.admission.known(stream)
+        if rank not in self.node.spec(stream).ranks_of(self.node.node_id):
+            raise ApiError(ErrorKind.REJECTED, "unknown_rank",
+                           f"stream {stream!r}: rank {rank} is not hosted by "
+                           f"{self.node.node_id}")  # fmt: skip
+        if not self.overheads.tracks(stream):
+            # A stream new to the figure: drop those undeclared since, so what is
+            # kept never outgrows the declared streams.
+            self.overheads.prune(self.node.streams())
+        self.overheads.add(stream, rank, blocking_s, interval_s)
+        return {"stream": stream, "rank": rank}
 
     # -- waiting ------------------------------------------------------------------
 
@@ -445,6 +474,10 @@ def _declare(ops: LocalOperations, a: Args, emit: Emit) -> Any:
     return ops.submit(a["fact"], allow_unknown_members=a["allow_unknown_members"])
 
 
+def _report_save(ops: LocalOperations, a: Args, emit: Emit) -> Any:
+    return ops.report_save(a["stream"], a["rank"], a["blocking_s"], a["interval_s"])
+
+
 def _session(ops: LocalOperations, a: Args, emit: Emit) -> Any:
     raise AssertionError("answered by the session itself")  # pragma: no cover
 
@@ -467,6 +500,7 @@ OPERATIONS: dict[str, Operation] = {
     "watch": Operation(OpKind.WAIT, _watch),
     "drain": Operation(OpKind.WAIT, _drain),
     "drill": Operation(OpKind.WAIT, _drill),
+    "report_save": Operation(OpKind.NOTE, _report_save),
     "cancel": Operation(OpKind.SESSION, _session),
 }
 """Every operation of the local API, by name."""
