@@ -131,7 +131,7 @@ def test_benchmarks_md_has_a_marker_for_every_fragment_make_bench_writes() -> No
     makefile = (REPO / "Makefile").read_text()
     doc = (REPO / "BENCHMARKS.md").read_text()
     for name in ("etcd", "training", "training-drift", "localapi", "scale", "footprint", "frames",
-                 "rollout", "fleet"):  # fmt: skip
+                 "rollout", "fleet", "churn"):  # fmt: skip
         assert f"<!-- bench:{name} -->" in doc and f"<!-- /bench:{name} -->" in doc, name
     for script in (
         "bench_etcd",
@@ -142,5 +142,6 @@ def test_benchmarks_md_has_a_marker_for_every_fragment_make_bench_writes() -> No
         "bench_frames",
         "bench_rollout",
         "bench_fleet",
+        "bench_churn",
     ):
         assert f"benchmarks/{script}.py" in makefile, script
