@@ -345,7 +345,11 @@ class FaultInjector:
         if alive:
             loop = self.world.loop
             nid = loop.rng.choice(alive)
-            self.world.nodes[nid].paused_until = loop.now + loop.rng.randint(5_000, 150_000)
+            node = self.world.nodes[nid]
+            # A second stall of a stalled daemon never ends the first one early: what
+            # waited for the first (its clients' requests) would be taken after what
+            # arrived since, in an order no client could see (seed 442411).
+            node.paused_until = max(node.paused_until, loop.now + loop.rng.randint(5_000, 150_000))
             loop.trace(f"fault pause {nid}")
 
     def _replay(self) -> None:
