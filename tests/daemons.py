@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
@@ -96,6 +97,19 @@ class LocalCluster:
     def name(self, i: int) -> str:
         """Node id of node ``i`` (1-based)."""
         return node_name(i)
+
+    def metrics(self, i: int) -> dict[str, float]:
+        """Node ``i``'s Prometheus samples now, by their text before the value
+        (``name{labels}``)."""
+        port = self.metrics_base_port + i - 1
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
 
     def socket_path(self, i: int) -> Path:
         """Local socket of node ``i``."""

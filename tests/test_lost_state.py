@@ -212,10 +212,9 @@ def test_its_old_high_water_mark_comes_back_even_when_it_holds_nothing() -> None
     assert a.status(STREAM).recoverable == IntervalSet()
 
 
-def test_an_adopted_mark_never_stands_in_for_a_restore_point() -> None:
-    """The newest record of a lost life anyone still holds may be older than the one
-    the others collected garbage by: a mark taken from it bounds the rollback floor,
-    but is never reported as a restore point, in this life or after a restart."""
+def three_lives_at_2() -> tuple[StreamSpec, list[NodeCore]]:
+    """a, b and c, each with one rank, committed 1 and 2 and agreed: the lives a
+    lost-state test starts from."""
     spec = StreamSpec.create(STREAM, {"a": [0], "b": [1], "c": [2]}, Policy.all_of("nvme"))
     old = [NodeCore(m, 1) for m in "abc"]
     for rank, n in enumerate(old):
@@ -223,6 +222,14 @@ def test_an_adopted_mark_never_stands_in_for_a_restore_point() -> None:
         for e in (1, 2):
             n.apply(Commit(STREAM, rank, "nvme", e))
     sync(*old)
+    return spec, old
+
+
+def test_an_adopted_mark_never_stands_in_for_a_restore_point() -> None:
+    """The newest record of a lost life anyone still holds may be older than the one
+    the others collected garbage by: a mark taken from it bounds the rollback floor,
+    but is never reported as a restore point, in this life or after a restart."""
+    spec, old = three_lives_at_2()
     stale = old[0].own_record(STREAM)
     assert stale is not None and stale.high_water == 2
     relay = NodeCore("b", 1)  # a peer that only ever heard the stale record
@@ -247,13 +254,7 @@ def test_an_adopted_mark_this_life_reaches_stands_in_after_compaction_too() -> N
     compacted or not (a compacted log once brought it back as adopted only, and the
     node then reported a lower point as a rise: an S3 violation the simulator found,
     seed 420107)."""
-    spec = StreamSpec.create(STREAM, {"a": [0], "b": [1], "c": [2]}, Policy.all_of("nvme"))
-    old = [NodeCore(m, 1) for m in "abc"]
-    for rank, n in enumerate(old):
-        n.apply(Declare(spec))
-        for e in (1, 2):
-            n.apply(Commit(STREAM, rank, "nvme", e))
-    sync(*old)
+    spec, old = three_lives_at_2()
     a = NodeCore("a", 1, unsure_of_past=True)
     a.plan_links(["b", "c"])
     log: list[Fact] = [Declare(spec), Commit(STREAM, 0, "nvme", 1), Commit(STREAM, 0, "nvme", 2)]

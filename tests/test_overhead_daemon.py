@@ -8,7 +8,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -21,19 +20,6 @@ STREAM = "job"
 GAUGE = f'convergenced_checkpoint_overhead_ratio{{stream="{STREAM}"}}'
 
 
-def _metrics(cluster: LocalCluster) -> dict[str, float]:
-    with urllib.request.urlopen(
-        f"http://127.0.0.1:{cluster.metrics_base_port}/metrics", timeout=5
-    ) as r:
-        text = r.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
-
-
 def test_saves_timed_by_the_integration_give_the_overhead_figure(tmp_path: Path) -> None:
     with LocalCluster(1) as cluster:
         cluster.start_all()
@@ -41,7 +27,7 @@ def test_saves_timed_by_the_integration_give_the_overhead_figure(tmp_path: Path)
         cluster.declare_solo(client, STREAM, "nvme", ranks=2)
         stores = [CheckpointStore(client, STREAM, r, Tier("nvme", tmp_path)) for r in range(2)]
         assert client.state(STREAM)["overhead"] is None
-        assert GAUGE not in _metrics(cluster)
+        assert GAUGE not in cluster.metrics(1)
 
         for epoch in range(1, 5):
             for store in stores:
@@ -51,7 +37,7 @@ def test_saves_timed_by_the_integration_give_the_overhead_figure(tmp_path: Path)
         o = client.state(STREAM)["overhead"]
         assert o["saves"] == 3 and 0 < o["ratio"] < 1, o
         assert o["interval_s"] >= 0.05 and 0 < o["blocking_s"] < o["interval_s"]
-        figure = _metrics(cluster)[GAUGE]
+        figure = cluster.metrics(1)[GAUGE]
         assert 0 < figure < 1
 
         # A rank whose saves block for half its interval sets the figure.
@@ -60,7 +46,7 @@ def test_saves_timed_by_the_integration_give_the_overhead_figure(tmp_path: Path)
         o = client.state(STREAM)["overhead"]
         # Its three timed cycles count beside the two new ones: just under 10 s of 20.
         assert o["rank"] == 1 and 0.4 < o["ratio"] < 0.5, o
-        assert _metrics(cluster)[GAUGE] == pytest.approx(o["ratio"])
+        assert cluster.metrics(1)[GAUGE] == pytest.approx(o["ratio"])
         out = subprocess.run(
             [sys.executable, "-m", "convergenced.ctl", "--socket", str(cluster.socket_path(1)),
              "state", STREAM],
@@ -69,7 +55,7 @@ def test_saves_timed_by_the_integration_give_the_overhead_figure(tmp_path: Path)
         assert "save overhead" in out and "rank 1" in out, out
 
         # Refused, named and counted; nothing kept.
-        before = _metrics(cluster)
+        before = cluster.metrics(1)
         for args, reason in (
             ((STREAM, 7, 1.0, 10.0), "unknown_rank"),
             (("nosuch", 0, 1.0, 10.0), "unknown_stream"),
@@ -80,7 +66,7 @@ def test_saves_timed_by_the_integration_give_the_overhead_figure(tmp_path: Path)
                 client.report_save(*args)
             assert info.value.reason == reason
         assert client.state(STREAM)["overhead"]["ratio"] == pytest.approx(o["ratio"])
-        after = _metrics(cluster)
+        after = cluster.metrics(1)
         for reason, count in (("unknown_rank", 1), ("unknown_stream", 1), ("bad_request", 2)):
             key = f'convergenced_api_errors_total{{reason="{reason}"}}'
             assert after[key] - before.get(key, 0.0) == count, key
@@ -91,4 +77,4 @@ def test_saves_timed_by_the_integration_give_the_overhead_figure(tmp_path: Path)
         client.undeclare(STREAM)
         cluster.declare_solo(client, "other", "nvme")
         client.report_save("other", 0, 1.0, None)
-        assert GAUGE not in _metrics(cluster)
+        assert GAUGE not in cluster.metrics(1)

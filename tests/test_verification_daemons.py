@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 from daemons import LocalCluster, until
@@ -28,18 +27,6 @@ from convergenced.integrations.objectstore import ObjectTier
 STREAM = "job"
 PERIOD_S = 0.3
 EXTRA = f"verification = {{ period_s = {PERIOD_S}, bandwidth_mb_s = 0 }}"
-
-
-def _metrics(cluster: LocalCluster, i: int) -> dict[str, float]:
-    port = cluster.metrics_base_port + i - 1
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
 
 
 def _flip(where: Path | str) -> None:
@@ -71,17 +58,17 @@ def test_all_of_a_corrupt_shard_of_the_restore_point_rolls_back_every_node(
         _save(stores, range(1, 4))
         assert clients[0].wait(STREAM, 3, timeout=20)["restore_point"] == 3
         until(lambda: clients[1].state(STREAM)["verification"]["nvme"]["verified"])
-        before = _metrics(cluster, 2)
+        before = cluster.metrics(2)
         assert before['convergenced_verifications_total{domain="nvme",outcome="ok"}'] >= 3
 
         _flip(stores[1].path(stores[1].local, 3))  # rank 1's shard of epoch 3, on node-2
         for c in clients:
             until(lambda c=c: c.state(STREAM)["restore_point"] == 2)
-        after = _metrics(cluster, 2)
+        after = cluster.metrics(2)
         assert after['convergenced_verifications_total{domain="nvme",outcome="mismatch"}'] == 1
         assert after['convergenced_retractions_total{stream="job"}'] == 1
         assert after['convergenced_restore_point_epoch{stream="job"}'] == 2
-        assert _metrics(cluster, 1)['convergenced_rollbacks_total{stream="job"}'] >= 1
+        assert cluster.metrics(1)['convergenced_rollbacks_total{stream="job"}'] >= 1
         state = clients[1].state(STREAM)
         assert state["newest"][cluster.name(2)] == {"nvme": 2}
         assert state["verification"]["nvme"]["restore_point"] == 2
@@ -117,7 +104,7 @@ def test_any_of_the_intact_copy_keeps_the_restore_point(tmp_path: Path) -> None:
         _flip(stores[1].path(stores[1].local, 2))  # node-2's local copy of epoch 2
         until(
             lambda: (
-                _metrics(cluster, 2).get(
+                cluster.metrics(2).get(
                     'convergenced_verifications_total{domain="nvme",outcome="mismatch"}'
                 )
                 == 1
@@ -127,7 +114,7 @@ def test_any_of_the_intact_copy_keeps_the_restore_point(tmp_path: Path) -> None:
         assert state["restore_point"] == 2  # the pfs copy still restores it
         assert state["newest"][cluster.name(2)] == {"nvme": 1, "pfs": 2}
         assert state["stored_epochs"]["nvme"] == stored["nvme"] - 1
-        m = _metrics(cluster, 2)
+        m = cluster.metrics(2)
         assert m['convergenced_stored_epochs{domain="nvme",stream="job"}'] == stored["nvme"] - 1
         assert m['convergenced_restore_point_verified_age_seconds{domain="pfs",stream="job"}'] < 60
         for store in stores:
@@ -198,7 +185,7 @@ def test_a_drill_restores_the_restore_point_and_reports_its_figures(tmp_path: Pa
         assert code == 1 and "FAILED" in out and "mismatch" in out, out
         for c in clients:  # the drill's evidence retracted it, as the verifier would
             until(lambda c=c: c.state(STREAM)["restore_point"] == 1)
-        m = _metrics(cluster, 2)
+        m = cluster.metrics(2)
         assert m['convergenced_drills_total{outcome="passed"}'] == 2
         assert m['convergenced_drills_total{outcome="failed"}'] == 1
         assert m['convergenced_drill_load_bytes_per_second{domain="nvme"}'] > 0
@@ -224,13 +211,13 @@ def test_the_verifier_reads_an_object_store_and_retracts_a_rotten_object(
             store.save(1, b"first" * 100)
             store.save(2, b"second" * 100)
             store.flush(timeout=20)
-            until(lambda: _metrics(cluster, 1).get(
+            until(lambda: cluster.metrics(1).get(
                 'convergenced_verifications_total{domain="s3",outcome="ok"}', 0) >= 2)  # fmt: skip
             key = remote.key(stream, 2, 0)
             body = s3_bucket.client.get_object(Bucket=s3_bucket.name, Key=key)["Body"].read()
             rotten = body[:-1] + bytes([body[-1] ^ 0xFF])  # bit rot in the bucket
             s3_bucket.client.put_object(Bucket=s3_bucket.name, Key=key, Body=rotten)
             until(lambda: client.state(stream)["newest"]["node-1"] == {"nvme": 2, "s3": 1})
-            m = _metrics(cluster, 1)
+            m = cluster.metrics(1)
             assert m['convergenced_verifications_total{domain="s3",outcome="mismatch"}'] == 1
             assert client.state(stream)["restore_point"] == 2  # the local copy keeps it
