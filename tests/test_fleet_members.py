@@ -102,3 +102,16 @@ async def test_a_peer_that_leaves_the_overlay_is_no_longer_dialled(
     smaller = config("n0", {p.node_id: p.port for p in cfg.peers[:2]})  # a full mesh now
     fleet._choose_overdue(smaller)
     assert fleet.extra_dials() == frozenset()
+
+
+def test_only_addresses_in_doubt_are_probed() -> None:
+    # Probing every address not linked would cost each node a TLS handshake per member
+    # and recheck period; only an address no credential claims, or several do (a host
+    # replaced by a spare at the same address), says nothing of who is there.
+    fleet = fleet_of(config("me", {}, port=7000))
+    fleet._contacts_changed(frozenset(Contact("127.0.0.1", p) for p in range(7000, 7005)))
+    claims = {"a": 7001, "b": 7002, "dead": 7003, "spare": 7003}
+    fleet._advertised = lambda: {n: ("127.0.0.1", p) for n, p in claims.items()}  # type: ignore[method-assign]
+    assert fleet._worth_probing() == {("127.0.0.1", 7003), ("127.0.0.1", 7004)}
+    fleet.linked = lambda: frozenset({"spare"})  # a link says who answers at 7003
+    assert fleet._worth_probing() == {("127.0.0.1", 7004)}

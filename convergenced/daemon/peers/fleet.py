@@ -205,14 +205,7 @@ class Fleet:
         the contacts discovery gives with a node id, and the probes of the others. An
         address a probe found another node answering at is no longer the old node's
         (a host replaced by a spare with a new identity)."""
-        out: dict[str, tuple[str, int]] = {}
-        judge = self.judge
-        for node in self.book.nodes():
-            cred = self.book.get(node)
-            info = judge.info(cred.blob) if judge is not None and cred is not None else None
-            if info is not None and info.address:
-                with suppress(ValueError):  # checked when admitted; never expected
-                    out[node] = parse_address(info.address, None)
+        out = self._advertised()
         for c in self._contacts:
             named = c.node_id or self._probed.get((c.host, c.port))
             if named is not None:
@@ -231,6 +224,42 @@ class Fleet:
                 del out[node]
         out.pop(me, None)
         return out
+
+    def _advertised(self) -> dict[str, tuple[str, int]]:
+        """node -> the address its credential advertises, for the credentials held."""
+        out: dict[str, tuple[str, int]] = {}
+        judge = self.judge
+        for node in self.book.nodes():
+            cred = self.book.get(node)
+            info = judge.info(cred.blob) if judge is not None and cred is not None else None
+            if info is not None and info.address:
+                with suppress(ValueError):  # checked when admitted; never expected
+                    out[node] = parse_address(info.address, None)
+        return out
+
+    def _worth_probing(self) -> set[tuple[str, int]]:
+        """The discovered addresses whose node is in doubt: claimed by no credential
+        held (a host not heard of yet) or by several (a host replaced by a spare at the
+        same address, until a probe says which answers there), and held by no link.
+
+        An address exactly one credential claims is not probed: that node is there as
+        far as anyone has said, and a spare that took it over announces itself (its
+        bootstrap links spread its credential), which makes two claims. Probing every
+        address not linked would cost every node a TLS handshake per member and
+        recheck period, N^2 across the fleet, while the overlay links only log N."""
+        claims: dict[tuple[str, int], int] = {}
+        for address in self._advertised().values():
+            claims[address] = claims.get(address, 0) + 1
+        linked = self.linked()
+        held = {a for node, a in self._learned().items() if node in linked}
+        held.add(self.config.advertise)
+        return {
+            (c.host, c.port)
+            for c in self._contacts
+            if c.node_id is None
+            and (c.host, c.port) not in held
+            and claims.get((c.host, c.port), 0) != 1
+        }
 
     def _present(self, learned: dict[str, tuple[str, int]]) -> dict[str, tuple[str, int]]:
         """The learned members still present. DNS, SRV and the file list the whole
@@ -300,15 +329,13 @@ class Fleet:
             with trio.move_on_after(OVERDUE_S / 2):  # overdue links show without a change
                 await self._changed.wait()
             self._changed = trio.Event()
-            # Addresses of members we hold no link to are probed again (at most once
-            # per recheck period): whoever answers there now is who is there.
-            linked = self.linked()
-            known = {a for node, a in self._learned().items() if node in linked}
-            own = self.config.advertise
+            # Addresses in doubt are probed (each at most once per recheck period):
+            # whoever answers there now is who is there.
+            doubtful = self._worth_probing() - probing
             for c in self._contacts:
-                key = (c.host, c.port)
-                if c.node_id is None and key not in known and key not in probing and key != own:
-                    probing.add(key)
+                if (c.host, c.port) in doubtful:
+                    doubtful.discard((c.host, c.port))
+                    probing.add((c.host, c.port))
                     nursery.start_soon(self._probe_once, c, probing)
             effective = self.effective()
             self._choose_bootstrap(effective)
