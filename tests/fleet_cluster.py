@@ -12,6 +12,7 @@ Used by tests/test_fleet_daemons.py (12 nodes) and benchmarks/bench_fleet.py (32
 
 from __future__ import annotations
 
+import datetime as dt
 import shutil
 import subprocess
 import tempfile
@@ -20,6 +21,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
 from dns_server import DnsServer
 
 from convergenced.client import Client, DaemonUnreachable
@@ -47,6 +50,7 @@ refresh_s = 1
 
 [revocation]
 deny_file = "{deny_file}"
+crl = "{crl_file}"
 recheck_s = 1
 """
 """The part every node shares, word for word."""
@@ -83,6 +87,8 @@ class FleetCluster:
         pki.init_ca(self.ca_dir)
         self.deny_file = self.dir / "deny.txt"
         self.deny_file.write_text("# revoked node ids, serials or fingerprints\n")
+        self.crl_file = self.dir / "ca.crl"
+        self.publish_crl([])
         self.dns = DnsServer()
         self.dns.__enter__()
         self.ports: dict[str, int] = {}
@@ -95,7 +101,11 @@ class FleetCluster:
             f'srv = "{SRV_NAME}"\nnameservers = ["{self.dns.nameserver}"]'
         )
         return FLEET_CONFIG.format(
-            timer=self.timer, mesh=self.mesh, discovery=discovery, deny_file=self.deny_file
+            timer=self.timer,
+            mesh=self.mesh,
+            discovery=discovery,
+            deny_file=self.deny_file,
+            crl_file=self.crl_file,
         )
 
     def add(self, node: str, port: int | None = None) -> None:
@@ -116,6 +126,26 @@ class FleetCluster:
         files = pki.issue(self.ca_dir, node, hosts=["127.0.0.1"], out_dir=home, overwrite=True)
         files.key.rename(home / "node.key")
         files.cert.rename(home / "node.crt")
+
+    def publish_crl(self, nodes: list[str]) -> None:
+        """Have the CA revoke the current certificates of ``nodes`` in a new CRL,
+        renamed over the old one (as a CA's CRL distribution does)."""
+        ca_cert, ca_key = pki.load_ca(self.ca_dir)
+        now = dt.datetime.now(dt.UTC)
+        builder = (
+            x509.CertificateRevocationListBuilder()
+            .issuer_name(ca_cert.subject)
+            .last_update(now)
+            .next_update(now + dt.timedelta(days=1))
+        )
+        for node in nodes:
+            cert = pki.load_certificate(self.dir / node / "node.crt")
+            entry = x509.RevokedCertificateBuilder().serial_number(cert.serial_number)
+            builder = builder.add_revoked_certificate(entry.revocation_date(now).build())
+        crl = builder.sign(ca_key, hashes.SHA256())
+        tmp = self.crl_file.with_suffix(".tmp")
+        tmp.write_bytes(crl.public_bytes(serialization.Encoding.PEM))
+        tmp.rename(self.crl_file)
 
     def remove(self, node: str) -> None:
         """Stop ``node`` and take it out of DNS (a host gone for good)."""

@@ -6,8 +6,8 @@ With a mesh limit of 8 the twelve link as a log-degree overlay, as a large fleet
 The fleet links up and agrees on a restore point; two hosts are then replaced by
 spares with new identities (new certificates, keys and empty disks, at the same
 addresses), DNS is updated, and the fleet becomes whole (every overlay link up) and
-agrees again with them as members. A node put on the deny list is cut off at the
-next recheck.
+agrees again with them as members. A node put on the deny list, and then one whose
+certificate the CA's CRL revokes, is cut off at the next recheck.
 """
 
 from __future__ import annotations
@@ -85,14 +85,25 @@ def test_a_fleet_from_one_configuration_survives_replaced_hosts() -> None:
 
         # Revocation: fleet-13 goes on the deny list; within a few rechecks nobody
         # keeps a link to it, and it cannot link again.
-        fleet.deny_file.write_text("fleet-13\n")
         others = [n for n in now if n != "fleet-13"]
+        assert any("fleet-13" in fleet.linked(n) for n in others)
+        fleet.deny_file.write_text("fleet-13\n")
         wait_for(
             lambda: all("fleet-13" not in fleet.linked(n) for n in others),
             30,
             "fleet-13 cut off",
         )
         assert "credential no longer valid" in fleet.log("fleet-01")
+
+        # The CA's CRL works the same way: it revokes fleet-14's certificate by serial.
+        others = [n for n in others if n != "fleet-14"]
+        assert any("fleet-14" in fleet.linked(n) for n in others)
+        fleet.publish_crl(["fleet-14"])
+        wait_for(
+            lambda: all("fleet-14" not in fleet.linked(n) for n in others),
+            30,
+            "fleet-14 cut off by the CRL",
+        )
 
 
 def test_a_seed_list_is_enough_and_certificates_rotate_without_a_restart() -> None:
