@@ -7,7 +7,8 @@ The fleet links up and agrees on a restore point; two hosts are then replaced by
 spares with new identities (new certificates, keys and empty disks, at the same
 addresses), DNS is updated, and the fleet becomes whole (every overlay link up) and
 agrees again with them as members. A node put on the deny list, and then one whose
-certificate the CA's CRL revokes, is cut off at the next recheck.
+certificate the CA's CRL revokes, is cut off at the next recheck. Smaller fleets check
+the other sources: one seed address, and a contacts file an orchestrator rewrites.
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ def spec(name: str, nodes: list[str]) -> dict[str, Any]:
         "policy": {"mode": "all", "domains": ["nvme"]},
         "retention": 0,
     }
+
+
+def members(fleet: FleetCluster, node: str) -> set[str]:
+    """The nodes ``node`` counts as members of the fleet (none while it does not answer)."""
+    status = fleet.status(node)
+    return {p["id"] for p in status["peers"]} if status else set()
 
 
 def agree(fleet: FleetCluster, stream: str, nodes: list[str], epoch: int) -> None:
@@ -70,11 +77,9 @@ def test_a_fleet_from_one_configuration_survives_replaced_hosts() -> None:
         took = fleet.wait_whole(now, 90, "the spares in the overlay")
         print(f"spares linked in {took:.1f} s")
 
-        def members(node: str) -> set[str]:
-            status = fleet.status(node)
-            return {p["id"] for p in status["peers"]} if status else set()
-
-        wait_for(lambda: all(members(n) == set(now) - {n} for n in now), 30, "dead hosts gone")
+        wait_for(
+            lambda: all(members(fleet, n) == set(now) - {n} for n in now), 30, "dead hosts gone"
+        )
         agree(fleet, "job2", now, 7)
         for node in now:
             status = fleet.status(node)
@@ -153,3 +158,42 @@ def test_a_seed_list_is_enough_and_certificates_rotate_without_a_restart() -> No
         fleet.start("fleet-03")
         wait_for(lambda: "fleet-02" in fleet.linked("fleet-03"), 60, "fleet-03 back")
         agree(fleet, "job2", nodes, 4)
+
+
+def test_a_contacts_file_an_orchestrator_rewrites_is_followed() -> None:
+    # The fleet comes from a file of host:port lines (no node ids: each is asked with a
+    # TLS handshake) that the orchestrator replaces by renaming over it.
+    with FleetCluster() as fleet:
+        contacts = fleet.dir / "contacts.txt"
+        fleet.discovery = f'file = "{contacts}"'
+
+        def publish(nodes: list[str]) -> None:
+            tmp = contacts.with_suffix(".tmp")
+            tmp.write_text("".join(f"127.0.0.1:{fleet.ports[n]}\n" for n in nodes))
+            tmp.rename(contacts)
+
+        first = names(1, 2, 3)
+        for node in first:
+            fleet.add(node)
+        publish(first)
+        for node in first:
+            fleet.start(node)
+        fleet.wait_whole(first, 60, "three nodes from the file")
+        agree(fleet, "job", first, 2)
+
+        grown = names(1, 2, 3, 4)
+        fleet.add("fleet-04")  # every node's configuration names the same file
+        publish(grown)
+        fleet.start("fleet-04")
+        fleet.wait_whole(grown, 60, "fleet-04 found through the rewritten file")
+        agree(fleet, "job2", grown, 3)
+
+        # fleet-03's host goes away and out of the file: after a few refreshes without
+        # it, the others stop counting it a member.
+        fleet.stop("fleet-03")
+        rest = names(1, 2, 4)
+        publish(rest)
+
+        wait_for(
+            lambda: all(members(fleet, n) == set(rest) - {n} for n in rest), 30, "fleet-03 gone"
+        )
