@@ -13,6 +13,7 @@ the other sources: one seed address, and a contacts file an orchestrator rewrite
 
 from __future__ import annotations
 
+import shutil
 from typing import Any
 
 from fleet_cluster import FleetCluster, wait_for
@@ -197,3 +198,44 @@ def test_a_contacts_file_an_orchestrator_rewrites_is_followed() -> None:
         wait_for(
             lambda: all(members(fleet, n) == set(rest) - {n} for n in rest), 30, "fleet-03 gone"
         )
+
+
+def test_a_node_that_lost_its_identity_key_and_disk_is_trusted_again() -> None:
+    # A pod rescheduled with its identity key and state on emptyDir volumes: the same
+    # certificate, a new record key, and no memory of its incarnations. Its peers hold
+    # its old credential, which ranks above the new one (a higher serial), and would
+    # check its relayed records against the old key. Once it sees its old credential
+    # come back it signs its own again above it, and every peer takes that one. (The
+    # serials show it: records straight from a linked peer rest on the link's TLS, so
+    # in this full mesh agreement alone would not.)
+    with FleetCluster() as fleet:
+        nodes = names(1, 2, 3)
+        for node in nodes:
+            fleet.add(node)
+        for node in nodes:
+            fleet.start(node)
+        fleet.wait_whole(nodes, 60, "the fleet whole")
+        agree(fleet, "job", nodes, 3)
+        for _ in range(2):  # a few lives, so the old credential's serial is above 1
+            fleet.stop("fleet-02")
+            fleet.start("fleet-02")
+            fleet.wait_whole(nodes, 60, "fleet-02 back")
+
+        def serial(at: str) -> int:
+            status = fleet.status(at)
+            cred = status["fleet"]["credentials"].get("fleet-02") if status else None
+            return int(cred["serial"]) if cred else -1
+
+        old = serial("fleet-01")
+        assert old >= 3
+        fleet.stop("fleet-02")
+        home = fleet.dir / "fleet-02"
+        for key_file in home.glob("identity*"):  # the key and the floor beside it
+            key_file.unlink()
+        shutil.rmtree(home / "state")
+        (home / "state").mkdir()
+        fleet.start("fleet-02")
+        fleet.wait_whole(nodes, 60, "fleet-02 linked with a new key")
+        agree(fleet, "job", nodes, 4)
+        others = [n for n in nodes if n != "fleet-02"]
+        wait_for(lambda: all(serial(n) > old for n in others), 30, "fleet-02 signed again")
