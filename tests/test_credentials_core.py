@@ -14,6 +14,7 @@ import msgpack
 
 from convergenced.core.credentials import (
     MAX_CREDENTIALS_PER_MESSAGE,
+    MAX_REPLACED,
     CredentialBook,
     Rank,
 )
@@ -233,3 +234,34 @@ def test_a_node_never_takes_its_own_credential_from_a_peer() -> None:
     assert book.offer([blob("a", (1, 9))], "b") == []
     assert book.get("a") is not None and book.get("a").rank == (1, 1)  # type: ignore[union-attr]
     assert seen == [(1, 9)]
+
+
+def test_a_node_hears_back_the_credentials_its_new_one_replaced() -> None:
+    # A node that lost its record key comes back with a credential that outranks its
+    # old one (a new certificate): its peer replaces the old one, and sends it back
+    # once on the new link, since it names the key its records of then are signed with.
+    def own_book(seen: list[Rank]) -> CredentialBook:
+        return CredentialBook(admit, own="a", on_own=lambda data, rank: seen.append(rank))
+
+    first: list[Rank] = []
+    net = Net(["a", "b"])
+    net.books["a"] = own_book(first)
+    net.books["a"].put("a", (1, 1), blob("a"))
+    net.link("a", "b")
+    net.pump()
+    assert first == [] and net.books["b"].replaced("a") == ()
+
+    again: list[Rank] = []  # a new life: no memory, a new certificate, a new link
+    net.pairs.clear()
+    net.nodes["a"] = NodeCore("a", incarnation=2)
+    net.books["a"] = own_book(again)
+    net.books["a"].put("a", (2, 1), blob("a", (2, 1)))
+    net.link("a", "b")
+    net.pump()
+    assert net.held("b")["a"] == (2, 1)
+    assert net.books["b"].replaced("a") == (blob("a"),)
+    assert again == [(1, 1)]  # once, though the link kept exchanging
+    # Only the last few are kept (each lists the keys of the lives before it).
+    for serial in range(2, 2 + MAX_REPLACED + 3):
+        net.books["b"].put("a", (3, serial), blob("a", (3, serial)))
+    assert len(net.books["b"].replaced("a")) == MAX_REPLACED

@@ -14,6 +14,7 @@ the other sources: one seed address, and a contacts file an orchestrator rewrite
 from __future__ import annotations
 
 import shutil
+import time
 from typing import Any
 
 from fleet_cluster import FleetCluster, wait_for
@@ -201,13 +202,15 @@ def test_a_contacts_file_an_orchestrator_rewrites_is_followed() -> None:
 
 
 def test_a_node_that_lost_its_identity_key_and_disk_is_trusted_again() -> None:
-    # A pod rescheduled with its identity key and state on emptyDir volumes: the same
-    # certificate, a new record key, and no memory of its incarnations. Its peers hold
-    # its old credential, which ranks above the new one (a higher serial), and would
-    # check its relayed records against the old key. Once it sees its old credential
-    # come back it signs its own again above it, and every peer takes that one. (The
-    # serials show it: records straight from a linked peer rest on the link's TLS, so
-    # in this full mesh agreement alone would not.)
+    # A pod rescheduled with its identity key and state on emptyDir volumes: a new
+    # record key, and no memory of its incarnations, so it must learn its earlier life
+    # from the records of its own that its peers hold, and rise above it. Those are
+    # signed with its old key, which only its old credential names.
+    # First with the same certificate: the new credential ranks below the old one (a
+    # lower serial); peers send the old one back, and it signs its own again above it,
+    # naming its old key. Then again with a new certificate (a host re-imaged): its new
+    # credential ranks above at once, and only the credential the peers replaced, sent
+    # back to it, names the keys of its earlier lives.
     with FleetCluster() as fleet:
         nodes = names(1, 2, 3)
         for node in nodes:
@@ -220,22 +223,35 @@ def test_a_node_that_lost_its_identity_key_and_disk_is_trusted_again() -> None:
             fleet.stop("fleet-02")
             fleet.start("fleet-02")
             fleet.wait_whole(nodes, 60, "fleet-02 back")
+        others = [n for n in nodes if n != "fleet-02"]
 
-        def serial(at: str) -> int:
+        def held(at: str) -> dict[str, Any]:
             status = fleet.status(at)
             cred = status["fleet"]["credentials"].get("fleet-02") if status else None
-            return int(cred["serial"]) if cred else -1
+            return cred or {"serial": -1, "certificate_serial": None}
 
-        old = serial("fleet-01")
-        assert old >= 3
-        fleet.stop("fleet-02")
-        home = fleet.dir / "fleet-02"
-        for key_file in home.glob("identity*"):  # the key and the floor beside it
-            key_file.unlink()
-        shutil.rmtree(home / "state")
-        (home / "state").mkdir()
-        fleet.start("fleet-02")
-        fleet.wait_whole(nodes, 60, "fleet-02 linked with a new key")
+        def lose_everything(new_certificate: bool) -> None:
+            fleet.stop("fleet-02")
+            home = fleet.dir / "fleet-02"
+            for key_file in home.glob("identity*"):  # the key and the floor beside it
+                key_file.unlink()
+            shutil.rmtree(home / "state")
+            (home / "state").mkdir()
+            if new_certificate:
+                time.sleep(1.1)  # a later notBefore, so a higher rank
+                fleet.certify("fleet-02")
+            fleet.start("fleet-02")
+            fleet.wait_whole(nodes, 60, "fleet-02 linked with a new key")
+
+        old = held("fleet-01")
+        assert old["serial"] >= 3
+        lose_everything(new_certificate=False)
         agree(fleet, "job", nodes, 4)
-        others = [n for n in nodes if n != "fleet-02"]
-        wait_for(lambda: all(serial(n) > old for n in others), 30, "fleet-02 signed again")
+        wait_for(
+            lambda: all(held(n)["serial"] > old["serial"] for n in others),
+            30,
+            "fleet-02 signed again above its old credential",
+        )
+        lose_everything(new_certificate=True)
+        agree(fleet, "job", nodes, 5)
+        assert all(held(n)["certificate_serial"] != old["certificate_serial"] for n in others)

@@ -37,9 +37,27 @@ as the link authenticated it. The function counts its own refusals."""
 
 MAX_CREDENTIAL_BYTES = 4096
 """Largest credential on the wire (an RSA-4096 certificate fits with room to spare)."""
+MAX_REPLACED = 2
+"""Replaced credentials kept per node (`CredentialBook.replaced`). Each one lists the
+keys of the lives before it, so the last two carry the history."""
 MAX_CREDENTIALS_PER_MESSAGE = 64
 """Credentials in one HELLO, TICK or TOCK: 64 of about 1 KiB stay well inside the
 frame budget, and a new link still learns 1,024 nodes in 16 exchanges."""
+
+
+def serial_to_outrank(own: Rank | None, seen: Rank, max_serial: int) -> int | None:
+    """The serial to sign this node's credential at again, after a peer sent back
+    ``seen``, a credential of this node that it holds (from an earlier life, whose
+    record key its peers would otherwise keep checking our records against).
+
+    None when there is nothing to do: ours ranks above already, or ``seen`` is of a
+    newer certificate (only a newer certificate of ours could outrank it, and one we
+    do not hold means someone else has this node's certificate key: the adapter says
+    so). Otherwise one above ``seen``'s serial, at most ``max_serial``.
+    """
+    if own is None or seen < own or seen[0] > own[0]:
+        return None
+    return min(seen[1] + 1, max_serial)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,8 +74,8 @@ class Credential:
 class CredentialBook:
     """The newest admitted credential of every node; see the module docstring."""
 
-    __slots__ = ("_admit", "_blob_node", "_by_node", "generation", "on_change", "on_own",
-                 "own", "seq")  # fmt: skip
+    __slots__ = ("_admit", "_blob_node", "_by_node", "_replaced", "generation", "on_change",
+                 "on_own", "own", "seq")  # fmt: skip
 
     def __init__(
         self,
@@ -83,6 +101,9 @@ class CredentialBook:
         self.generation = 0
         """Bumped by `resend`: every link then forgets what its peer holds."""
         self._by_node: dict[str, Credential] = {}
+        self._replaced: dict[str, list[bytes]] = {}
+        """node -> the credentials of it this book held before its current one, newest
+        last (at most `MAX_REPLACED`): told to that node itself (`replaced`)."""
         self._blob_node: dict[bytes, str] = {}
         """The bytes of every credential held: the same bytes cross a node once per
         link, and this test costs no cryptography."""
@@ -113,6 +134,10 @@ class CredentialBook:
             return False
         if held is not None:
             del self._blob_node[held.blob]
+            if node != self.own:
+                replaced = self._replaced.setdefault(node, [])
+                replaced.append(held.blob)
+                del replaced[:-MAX_REPLACED]
         self.seq += 1
         cred = self._by_node[node] = Credential(node, rank, blob, self.seq)
         self._blob_node[blob] = node
@@ -127,10 +152,17 @@ class CredentialBook:
         if held is None:
             return False
         del self._blob_node[held.blob]
+        self._replaced.pop(node, None)
         self.resend()  # should it come back at the same rank, peers must hear of it
         if self.on_change is not None:
             self.on_change(node, None)
         return True
+
+    def replaced(self, node: str) -> tuple[bytes, ...]:
+        """The credentials of ``node`` this book held before its current one, oldest
+        first. A node that lost its record key (and its state) learns from them the
+        keys of its earlier lives, which signed the records of its that peers hold."""
+        return tuple(self._replaced.get(node, ()))
 
     def resend(self) -> None:
         """Make every link send every credential again. A peer may have refused one
@@ -186,10 +218,12 @@ class CredentialExchange:
     """One link's share of the gossip: which credentials its peer holds, and what to
     send it next. Inert (sends and takes nothing) without a book or below version 3."""
 
-    __slots__ = ("_book", "_generation", "_known", "_sent_seq")
+    __slots__ = ("_book", "_generation", "_known", "_sent_seq", "_theirs")
 
     def __init__(self, book: CredentialBook | None, enabled: bool) -> None:
         self._book = book if enabled else None
+        self._theirs: tuple[bytes, ...] = ()
+        """The peer's own replaced credentials, still to be sent to it (`peer_is`)."""
         self._known: dict[str, Rank] = {}
         """node -> the rank the peer holds: sent by us, or received from it."""
         self._sent_seq = 0
@@ -221,6 +255,13 @@ class CredentialExchange:
         self._known[node] = cred.rank
         return (cred.blob,)
 
+    def peer_is(self, peer: str) -> None:
+        """The HELLO named the peer: the credentials of it we held before its current
+        one go to it first, once (it keeps accepting the keys they name for its own
+        records of then)."""
+        if self._book is not None:
+            self._theirs = self._book.replaced(peer)
+
     def take(self, blobs: tuple[bytes, ...], via: str | None) -> None:
         """Admit what the peer sent (before the records of the same message), and note
         that it holds them."""
@@ -239,6 +280,8 @@ class CredentialExchange:
         book = self._book
         if book is None:
             return False
+        if self._theirs:
+            return True
         self._fresh(book)
         if book.seq <= self._sent_seq:
             return False
@@ -253,19 +296,26 @@ class CredentialExchange:
         book = self._book
         if book is None:
             return ()
+        theirs: list[bytes] = []
+        for blob in self._theirs:  # a few (`MAX_REPLACED`), each within the limits
+            if len(blob) <= budget:
+                budget -= len(blob)
+                theirs.append(blob)
+        self._theirs = ()
         self._fresh(book)
         if book.seq <= self._sent_seq:
-            return ()
+            return tuple(theirs)
         pending = book.pending_for(self._known, self._sent_seq)
         out: list[Credential] = []
         for cred in pending:
-            if len(out) >= MAX_CREDENTIALS_PER_MESSAGE or len(cred.blob) > budget:
+            full = len(theirs) + len(out) >= MAX_CREDENTIALS_PER_MESSAGE
+            if full or len(cred.blob) > budget:
                 break
             budget -= len(cred.blob)
             out.append(cred)
         if not out:
-            return ()  # not even one fits this frame limit: nothing to do but wait
+            return tuple(theirs)  # none fits this frame limit: nothing to do but wait
         self._sent_seq = out[-1].seq if len(out) < len(pending) else book.seq
         for cred in out:
             self._known[cred.node] = cred.rank
-        return tuple(c.blob for c in out)
+        return (*theirs, *(c.blob for c in out))

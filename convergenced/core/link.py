@@ -430,6 +430,7 @@ class Link:
         self.peer = hello.node
         self.peer_incarnation = hello.incarnation
         self._credentials.take(hello.credentials, hello.node)
+        self._credentials.peer_is(hello.node)
         for stream, origin, inc, ver in hello.summary:
             self._note_known((stream, origin), (inc, ver))
         # Deltas start from the whole view, filtered by what the summary says.

@@ -37,6 +37,10 @@ class SimConfig:
     rollout: str | None = None
     """A driver rollout during the faulty phase, by this strategy (`rollouts`):
     ``naive``, ``flip`` or ``gated``."""
+    credentials: bool = False
+    """CA-bound trust (`trust`): links gossip credentials (wire version 3), records
+    are signed and checked against them, and a lost incarnation floor loses the
+    identity key with it. False: unsigned records, as with trust lists."""
     churn: int = 0
     """Membership changes at fixed times instead of at drawn rates: this many, evenly
     spaced over the faulty phase, cycling through the enabled membership faults
@@ -64,3 +68,5 @@ class Result:
     """The baselines' counts (`baselines`): ``marker_samples``, ``marker_mixed``..."""
     restore_point: int | None = None
     bytes_per_node_per_round: float = 0.0
+    refused_records: int = 0
+    """Records refused for their signature (CA-bound trust, after a lost key)."""

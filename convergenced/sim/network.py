@@ -42,8 +42,8 @@ class Connection:
         assert a.core is not None and b.core is not None
         self.a, self.b = a.id, b.id
         self.alive = True
-        self.links = {a.id: Link(a.core, Role.INITIATOR, config),
-                      b.id: Link(b.core, Role.ACCEPTOR, config)}  # fmt: skip
+        self.links = {a.id: Link(a.core, Role.INITIATOR, a.link_config(config)),
+                      b.id: Link(b.core, Role.ACCEPTOR, b.link_config(config))}  # fmt: skip
         self.outputs: dict[str, GatedOutput] = {a.id: a.output(), b.id: b.output()}
         self.sent_records: dict[str, deque[Record | None]] = {a.id: deque(), b.id: deque()}
         """Per side and per held chunk, the sender's own record when the chunk was

@@ -16,14 +16,17 @@ high-water mark and its durable frozen sets), for the gate's check.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from convergenced.core.admission import Admission
 from convergenced.core.facts import Fact, Freeze, HighWater, Incarnation
 from convergenced.core.gate import GatedOutput, OutputGate
 from convergenced.core.interval_set import IntervalSet
+from convergenced.core.link import LinkConfig
 from convergenced.core.node import NodeCore, NodeEvent
 from convergenced.core.versions import Catalogue
+from convergenced.core.wire import CREDENTIALS_VERSION
+from convergenced.sim.trust import SimTrust
 
 COMPACT_EVERY = 8
 """Every this many writes of a node's log is a compaction."""
@@ -73,6 +76,14 @@ class SimNode:
     replies: list[tuple[int, Callable[[], None]]] = field(default_factory=list)
     """Answers to local reads waiting for the gate: (position, what the rank does
     with the answer)."""
+    credentials: bool = False
+    """CA-bound trust (`trust`): each life gossips credentials and checks records."""
+    key: int = 0
+    """Which identity key the node has: bumped when it is lost (with the floor)."""
+    trust: SimTrust | None = None
+    """This life's credential book and checks (with ``credentials``)."""
+    refused: int = 0
+    """Records this node refused for their signature, over all its lives."""
 
     @property
     def up(self) -> bool:
@@ -89,7 +100,17 @@ class SimNode:
         past = [f.number for f in self.durable if isinstance(f, Incarnation)]
         incarnation = 1 + max([*past, self.key_incarnation])
         self.key_incarnation = incarnation
-        core = NodeCore(self.id, incarnation, unsure_of_past=not past, catalogues=self.catalogues)
+        trust = self.trust = None
+        if self.credentials:
+            trust = self.trust = SimTrust(self.id, self.key, incarnation, self._refused_one)
+        core = NodeCore(
+            self.id,
+            incarnation,
+            unsure_of_past=not past,
+            catalogues=self.catalogues,
+            sign=trust.sign if trust is not None else None,
+            verify=trust.verify if trust is not None else None,
+        )
         core.plan_links(links)
         core.replay(self.durable)
         self.durable.append(core.incarnation_fact())
@@ -101,12 +122,24 @@ class SimNode:
         self.replies = []
         return list(iter(core.next_event, None))
 
+    def _refused_one(self) -> None:
+        self.refused += 1
+
+    def link_config(self, base: LinkConfig) -> LinkConfig:
+        """What this life's links run with: ``base``, and with CA-bound trust wire
+        version 3 and this life's credential book."""
+        if self.trust is None:
+            return base
+        return replace(base, wire_version=CREDENTIALS_VERSION, credentials=self.trust.book)
+
     def wipe_disk(self, *, floor_too: bool = False) -> None:
         """The state directory is gone: an empty log (the daemon must be down); with
-        ``floor_too``, the incarnation floor beside the identity key as well."""
+        ``floor_too``, the incarnation floor beside the identity key as well, and with
+        CA-bound trust the key itself (they share a directory): a new record key."""
         assert self.core is None
         if floor_too:
             self.key_incarnation = 0
+            self.key += 1
         self.durable = []
         self.durable_high_water = None
         self.durable_frozen = {}
@@ -115,6 +148,7 @@ class SimNode:
         """Lose everything but the disk (a write in flight never completes)."""
         self.crashes += 1
         self.core = self.gate = self.admission = None
+        self.trust = None
         self.writing = None
         self.replies = []  # never answered
 

@@ -45,6 +45,8 @@ def replay_command(cfg: SimConfig) -> str:
         parts += ["--no-workload"]
     if cfg.churn:
         parts += ["--churn", str(cfg.churn)]
+    if cfg.credentials:
+        parts += ["--credentials"]
     if cfg.rollout:
         parts += ["--rollout", cfg.rollout]
     if cfg.compare:
@@ -71,12 +73,15 @@ class Summary:
     fault_counts: dict[str, int] = field(default_factory=dict)
     trace_hash: str | None = None
     bytes_per_node_per_round: list[float] = field(default_factory=list)
+    refused_records: int = 0
+    """Records refused for their signature (CA-bound trust), summed over the seeds."""
 
     def add(self, cfg: SimConfig, r: Result) -> None:
         """Fold one result in."""
         self.runs += 1
         self.messages += r.messages
         self.bytes += r.bytes
+        self.refused_records += r.refused_records
         for k, v in r.compare.items():
             self.compare[k] = self.compare.get(k, 0) + v
         for k, v in r.fault_counts.items():
@@ -119,6 +124,7 @@ class Summary:
             else None,
             "wall_seconds": round(self.wall_seconds, 2),
             "fault_counts": dict(sorted(self.fault_counts.items())),
+            "refused_records": self.refused_records,
             "failures": self.failures,
         }
         if self.trace_hash is not None:
@@ -264,6 +270,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "of at drawn rates, cycling through the membership faults of --faults (replace, "
         "shrink, grow, leave): the same churn at every N, for scale runs",
     )  # fmt: skip
+    p.add_argument(
+        "--credentials", action="store_true",
+        help="CA-bound trust: links gossip credentials, records are signed and checked "
+        "against them, and a lost incarnation floor loses the identity key too",
+    )  # fmt: skip
     p.add_argument("--no-lattice", action="store_true", help="skip the epoch-lattice table")
     p.add_argument(
         "--rollout", nargs="?", const="all", choices=[*STRATEGIES, "all"], metavar="STRATEGY",
@@ -297,6 +308,7 @@ def command(args: argparse.Namespace) -> int:
         compare=_compared(args.compare),
         workload=not args.no_workload,
         churn=args.churn or 0,
+        credentials=args.credentials,
     )
     configs = [replace(base, seed=s) for s in range(args.seed, args.seed + args.seeds)]
     if args.rollout:
@@ -306,6 +318,7 @@ def command(args: argparse.Namespace) -> int:
     result["nodes"] = args.nodes
     result["faults"] = sorted(args.faults)
     result["rounds_bound"] = liveness_bound(args.nodes)
+    result["credentials"] = args.credentials
     if not args.no_lattice:
         result["lattice"] = lattice_table(args.nodes, args.ranks, args.seed)
     if args.json:
@@ -353,6 +366,9 @@ def _print_human(r: dict[str, Any]) -> None:
     ]
     if "trace_hash" in r:
         rows = [*rows, ("trace hash", r["trace_hash"])]
+    if r.get("credentials"):
+        rows = [*rows, ("records refused", f"{r['refused_records']} (signature or origin "
+                        "unknown: after a lost key, or replayed from no link)")]  # fmt: skip
     for name, label in (("marker", "latest-marker"), ("torchtitan", "torchtitan")):
         if f"{name}_samples" in r:
             rows = [*rows, (f"{label} invalid",

@@ -104,7 +104,9 @@ class Simulation(DaemonLives):
         self.ids = ids
         """Every node of the cluster: the job's first members, then the spares."""
         catalogues = tuple(self.versions.catalogues())
-        self.nodes = {i: SimNode(i, catalogues=catalogues) for i in ids}
+        self.nodes = {
+            i: SimNode(i, catalogues=catalogues, credentials=cfg.credentials) for i in ids
+        }
         # Every node of the run decodes in this process: let the wire codec keep every
         # record version still in flight decoded once, for all of them.
         set_decoded_capacity(max(DECODED_CAPACITY, 16 * total))
@@ -215,6 +217,7 @@ class Simulation(DaemonLives):
         r.trace_hash = self.loop.trace_hash
         r.trace_tail = self.loop.trace_tail
         r.fault_counts = dict(self.faults.counts)
+        r.refused_records = sum(n.refused for n in self.nodes.values())
         r.compare = dict(self.baselines.counts)
         if self.rollout is not None:
             r.compare |= {f"rollout_{k}": v for k, v in self.rollout.counts.items()}

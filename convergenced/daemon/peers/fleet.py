@@ -32,7 +32,7 @@ import structlog
 import trio
 from cryptography import x509
 
-from convergenced.core.credentials import Credential, CredentialBook, Rank
+from convergenced.core.credentials import Credential, CredentialBook, Rank, serial_to_outrank
 from convergenced.daemon.config import Config, Peer
 from convergenced.daemon.fleet_config import load_revocations
 from convergenced.daemon.peers.manager import dial_plan, overlay_peers
@@ -43,6 +43,7 @@ from convergenced.discovery.sources import Discovery
 from convergenced.errors import ConvergencedError
 from convergenced.security import pki
 from convergenced.security.node_credentials import (
+    MAX_PAST_KEYS,
     CredentialJudge,
     Refusal,
     make_credential,
@@ -88,6 +89,9 @@ class Fleet:
         self._awaited_since: dict[str, float] = {}
         self._contacts: frozenset[Contact] = frozenset()
         self._probed: dict[tuple[str, int], str] = {}
+        self._own_past: list[bytes] = []
+        """Record keys of this node's earlier lives, learned from its old credentials
+        that peers sent back; listed in its credential (the newest few)."""
         self._changed = trio.Event()
         self._stamps: dict[Path, tuple[float, int] | None] = {}
         self.on_members: Callable[[Config], None] | None = None
@@ -143,6 +147,7 @@ class Fleet:
             serial=incarnation,
             certificate=cert,
             tls_key=key,
+            past_keys=self._own_past[-MAX_PAST_KEYS:],
         )
         info = self.judge.check(blob)
         if isinstance(info, tuple):
@@ -151,24 +156,34 @@ class Fleet:
         self.book.put(cfg.node_id, info.rank, blob)
 
     def _own_seen(self, blob: bytes, rank: Rank) -> None:
-        """A peer holds a credential of ours: from an earlier life (whose record key
-        still verifies our records of then), or a stolen certificate key's. One that
-        ranks at or above ours is outranked by signing ours again."""
+        """A peer holds, or held, a credential of ours: from an earlier life (whose
+        record keys still verify our records of then), or a stolen certificate key's.
+        Its keys are accepted for our own records; one that ranks at or above ours is
+        outranked by signing ours again, and so is ours when it learned keys from it
+        (so that peers accept our records of then too)."""
         judge, security = self.judge, self.security
         info = judge.info(blob) if judge is not None else None
         trust = security.trust
-        if info is not None and trust is not None and info.record_key != security.own_public_key:
-            trust.add_past_key(self.config.node_id, info.record_key)
         own = self.book.get(self.config.node_id)
-        if own is None or rank < own.rank:
-            return
-        if rank[0] > own.rank[0]:
-            log.error("a credential of this node with a newer certificate is in the fleet: "
-                      "revoke that certificate if it is not this node's",
-                      their_rank=list(rank), ours=list(own.rank))  # fmt: skip
+        learned = []
+        newer_certificate = own is not None and rank[0] > own.rank[0]  # not ours, then
+        if info is not None and trust is not None and not newer_certificate:
+            for raw in (*info.past_keys, info.record_key):
+                if raw != security.own_public_key and raw not in self._own_past:
+                    trust.add_past_key(self.config.node_id, raw)
+                    self._own_past.append(raw)
+                    learned.append(raw)
+        serial = serial_to_outrank(own.rank if own else None, rank, MAX_SERIAL)
+        if serial is None and learned and own is not None:
+            serial = min(own.rank[1] + 1, MAX_SERIAL)  # peers must hear of those keys
+        if serial is None:
+            if own is not None and newer_certificate:
+                log.error("a credential of this node with a newer certificate is in the "
+                          "fleet: revoke that certificate if it is not this node's",
+                          their_rank=list(rank), ours=list(own.rank))  # fmt: skip
             return
         try:
-            self.publish_own(min(rank[1] + 1, MAX_SERIAL))
+            self.publish_own(serial)
         except (ConvergencedError, ValueError) as exc:
             log.error("could not sign this node's credential again", error=str(exc))
 
@@ -179,7 +194,9 @@ class Fleet:
         if judge is not None and judge.remembered > 2 * len(self.book) + 1024:
             judge.keep_only({c.blob for n in self.book.nodes() if (c := self.book.get(n))})
         info = self.judge.info(cred.blob) if cred is not None and self.judge else None
-        self.security.set_credential_key(node, info.record_key if info else None)
+        self.security.set_credential_key(
+            node, info.record_key if info else None, info.past_keys if info else ()
+        )
         if self.on_credentials is not None:
             self.on_credentials()
         self._changed.set()
