@@ -210,7 +210,7 @@ def test_a_node_that_lost_its_identity_key_and_disk_is_trusted_again() -> None:
     # lower serial); peers send the old one back, and it signs its own again above it,
     # naming its old key. Then again with a new certificate (a host re-imaged): its new
     # credential ranks above at once, and only the credential the peers replaced, sent
-    # back to it, names the keys of its earlier lives.
+    # back to it, names the key of its earlier life.
     with FleetCluster() as fleet:
         nodes = names(1, 2, 3)
         for node in nodes:

@@ -16,7 +16,6 @@ from convergenced.daemon.fleet_config import RevocationConfig, load_revocations
 from convergenced.security import pki
 from convergenced.security.keys import NodeIdentity
 from convergenced.security.node_credentials import (
-    MAX_PAST_KEYS,
     CredentialJudge,
     Refusal,
     Revocations,
@@ -34,12 +33,9 @@ def ca(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-def credential(
-    ca: Path, node: str = "n1", *, cluster: str = "c", serial: int = 1, past: tuple[bytes, ...] = ()
-) -> bytes:
+def credential(ca: Path, node: str = "n1", *, cluster: str = "c", serial: int = 1) -> bytes:
     files = pki.node_files(ca, node)
     return make_credential(
-        past_keys=past,
         cluster=cluster,
         node=node,
         record_key=NodeIdentity.generate(node).public_key_bytes(),
@@ -75,24 +71,6 @@ def test_a_later_signing_of_the_same_certificate_ranks_higher(ca: Path) -> None:
     j = judge(ca)
     a, b = j.admit(credential(ca, serial=1), None), j.admit(credential(ca, serial=2), None)
     assert a is not None and b is not None and b[1] > a[1]
-
-
-def test_a_credential_names_the_record_keys_of_earlier_lives(ca: Path) -> None:
-    # Version 2 adds them; without any the credential stays version 1, which daemons
-    # that predate past keys admit.
-    past = tuple(NodeIdentity.generate("n1").public_key_bytes() for _ in range(MAX_PAST_KEYS))
-    j = judge(ca)
-    with_past, without = credential(ca, past=past), credential(ca)
-    assert j.admit(with_past, None) is not None and j.admit(without, None) is not None
-    info, plain = j.info(with_past), j.info(without)
-    assert info is not None and info.past_keys == past
-    assert plain is not None and plain.past_keys == ()
-    assert msgpack.unpackb(msgpack.unpackb(without)[0])[1] == 1
-    assert msgpack.unpackb(msgpack.unpackb(with_past)[0])[1] == 2
-    with pytest.raises(ValueError, match="past keys"):
-        credential(ca, past=(*past, past[0]))
-    with pytest.raises(ValueError, match="past keys"):
-        credential(ca, past=(bytes(32),))  # not a usable public key
 
 
 def test_refusals_name_their_reason_and_are_counted(ca: Path, tmp_path: Path) -> None:

@@ -3,9 +3,10 @@ exchange, records signed and checked against them, identity keys lost with the
 incarnation floor (`convergenced.sim.trust`).
 
 A node that loses its identity key, its floor and its state must still learn its
-earlier life from its records that peers hold, which its old key signed; its peers
-must accept them too. The swarm holds every invariant with that; the two mutation
-tests show the simulator notices when either half of the mechanism is missing.
+earlier life from its records that peers hold, which its old key signed: it learns
+that key from its old credential, which peers send back. The swarm holds every
+invariant with that; the two mutation tests show the simulator notices when either
+half of the mechanism is missing.
 """
 
 from __future__ import annotations
@@ -43,14 +44,12 @@ def test_without_the_replaced_credential_sent_back_a_node_stays_below_its_past(
     assert r.violation is not None and r.violation.invariant == "S5"
 
 
-def test_without_past_keys_in_credentials_records_of_earlier_lives_are_lost(
+def test_without_the_keys_of_its_earlier_lives_a_node_cannot_read_its_past(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     cfg = SimConfig(seed=1001, credentials=True)
     assert Simulation(cfg).run().converged
-    plain = trust.credential
-    monkeypatch.setattr(
-        trust, "credential", lambda node, key, serial, past=(): plain(node, key, serial)
-    )
+    forgetful = property(lambda self: set(), lambda self, keys: None)
+    monkeypatch.setattr(trust.SimTrust, "past_keys", forgetful, raising=False)
     r = Simulation(cfg).run()
     assert r.violation is not None and r.violation.invariant == "S5"

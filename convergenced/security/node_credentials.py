@@ -43,19 +43,13 @@ FORMAT = "convergenced-credential"
 """First field of every credential body: the certificate's key signs nothing else
 that starts so (a domain separator)."""
 FORMAT_VERSION = 1
-"""The version of a credential without past keys (every reference daemon admits it)."""
-FORMAT_VERSION_PAST = 2
-"""The version with a ninth field, the record keys of the node's earlier lives; sent
-only when there are any, so that a fleet mid-upgrade admits the others."""
-MAX_PAST_KEYS = 4
-"""Record keys of earlier lives one credential may carry (the newest)."""
 MAX_ADDRESS_CHARS = 262
 """A DNS name (253) plus ``:65535`` and brackets."""
 CLOCK_SKEW = dt.timedelta(minutes=5)
 """A certificate issued a little in the future of this host's clock still counts."""
 
 _LIMITS = UnpackLimits(
-    max_str=MAX_ADDRESS_CHARS, max_bin=MAX_CREDENTIAL_BYTES, max_array=9, max_map=0
+    max_str=MAX_ADDRESS_CHARS, max_bin=MAX_CREDENTIAL_BYTES, max_array=8, max_map=0
 )
 
 
@@ -86,9 +80,6 @@ class CredentialInfo:
     """``host:port`` peers may dial, or empty."""
     serial: int
     certificate: x509.Certificate
-    past_keys: tuple[bytes, ...] = ()
-    """Record keys of the node's earlier lives (raw 32 bytes each): its records of
-    then still verify under them."""
 
     @property
     def rank(self) -> Rank:
@@ -110,14 +101,11 @@ def make_credential(
     serial: int,
     certificate: x509.Certificate,
     tls_key: Any,
-    past_keys: Iterable[bytes] = (),
 ) -> bytes:
     """The credential of this node, signed with its certificate's private key.
 
     Args:
         tls_key: the private key of ``certificate`` (EC, Ed25519 or RSA).
-        past_keys: record keys of this node's earlier lives it still vouches for (at
-            most `MAX_PAST_KEYS`): with any, the credential is of version 2.
 
     Raises:
         ValueError: a field out of range, or a key that does not match the certificate.
@@ -126,15 +114,8 @@ def make_credential(
         raise ValueError("the TLS key does not match the certificate")
     if len(address) > MAX_ADDRESS_CHARS:
         raise ValueError(f"address longer than {MAX_ADDRESS_CHARS} characters")
-    past = list(past_keys)
-    if len(past) > MAX_PAST_KEYS or any(is_weak_public_key(k) for k in past):
-        raise ValueError(f"past keys: at most {MAX_PAST_KEYS} valid Ed25519 public keys")
     der = certificate.public_bytes(Encoding.DER)
-    fields: list[Any] = [FORMAT, FORMAT_VERSION, cluster, node, record_key, address, serial, der]
-    if past:
-        fields[1] = FORMAT_VERSION_PAST
-        fields.append(past)
-    body = pack(fields)
+    body = pack([FORMAT, FORMAT_VERSION, cluster, node, record_key, address, serial, der])
     blob = pack([body, _sign(tls_key, body)])
     if len(blob) > MAX_CREDENTIAL_BYTES:
         raise ValueError(
@@ -387,20 +368,11 @@ def _parse(blob: bytes) -> tuple[CredentialInfo, bytes, bytes] | str:
         fields = unpack_strict(body, _LIMITS)
     except UnpackError as exc:
         return f"not msgpack ({exc})"
-    if not (isinstance(fields, list) and len(fields) in (8, 9)):
-        return "body: expected 8 fields (version 1) or 9 (version 2)"
-    fmt, version, cluster, node, key, address, serial, der = fields[:8]
-    expected = FORMAT_VERSION if len(fields) == 8 else FORMAT_VERSION_PAST
-    if fmt != FORMAT or version != expected:
-        return f"body: format {fmt!r} {version!r}, expected {FORMAT!r} {expected}"
-    past: tuple[bytes, ...] = ()
-    if len(fields) == 9:
-        listed = fields[8]
-        if not (isinstance(listed, list) and 0 < len(listed) <= MAX_PAST_KEYS):
-            return f"body: past keys: expected 1 to {MAX_PAST_KEYS}"
-        if not all(isinstance(k, bytes) and not is_weak_public_key(k) for k in listed):
-            return "body: past keys: each must be a valid Ed25519 public key"
-        past = tuple(listed)
+    if not (isinstance(fields, list) and len(fields) == 8):
+        return "body: expected 8 fields"
+    fmt, version, cluster, node, key, address, serial, der = fields
+    if fmt != FORMAT or version != FORMAT_VERSION:
+        return f"body: format {fmt!r} {version!r}, expected {FORMAT!r} {FORMAT_VERSION}"
     if not (isinstance(cluster, str) and NAME_RE.match(cluster)):
         return "body: bad cluster name"
     if not (isinstance(node, str) and NAME_RE.match(node)):
@@ -418,5 +390,5 @@ def _parse(blob: bytes) -> tuple[CredentialInfo, bytes, bytes] | str:
         cert.not_valid_before_utc  # noqa: B018  (malformed dates raise here, not later)
     except ValueError as exc:
         return f"{node}: certificate does not parse ({exc})"
-    info = CredentialInfo(node, cluster, key, address, serial, cert, past)
+    info = CredentialInfo(node, cluster, key, address, serial, cert)
     return info, body, signature

@@ -25,7 +25,7 @@ tools share it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -198,25 +198,6 @@ class TrustList:
         if all(k.public_bytes_raw() != raw for k in past):
             past.append(key)
             del past[:-MAX_PAST_KEYS]
-
-    def set_past_keys(self, node_id: str, raws: Iterable[bytes]) -> None:
-        """Accept exactly ``raws`` (the newest `MAX_PAST_KEYS`) for ``node_id``'s
-        records besides its current key: the keys of its earlier lives that its
-        credential vouches for (PROTOCOL.md 7.6). Weak or malformed keys are skipped.
-        """
-        keys = [
-            Ed25519PublicKey.from_public_bytes(raw)
-            for raw in dict.fromkeys(raws)
-            if not is_weak_public_key(raw) and raw != self._raw.get(node_id)
-        ][-MAX_PAST_KEYS:]
-        old = [k.public_bytes_raw() for k in self._past.get(node_id, ())]
-        if old == [k.public_bytes_raw() for k in keys]:
-            return
-        if keys:
-            self._past[node_id] = keys
-        else:
-            self._past.pop(node_id, None)
-        self._drop_cached({node_id})
 
     def _drop_cached(self, nodes: set[str]) -> None:
         for k in [k for k in self._cache if k[0] in nodes]:

@@ -7,14 +7,13 @@ run under every fault: each link sends every credential once, and holds a record
 until its origin's credential went out (`CredentialExchange.owed`). What the simulator
 stands in for is only the cryptography:
 
-- a *credential* here is ``node|key|serial|past``: the node, which of its identity
-  keys it vouches for (a counter, bumped when the key is lost), the serial it was
-  signed at (its incarnation at start-up, as the daemon's), and the keys of its earlier
-  lives it learned. Every second lost key comes with a new certificate too (a host
-  re-imaged and its certificate issued again), so the rank is
-  ``(key // 2, serial)``: half the time the new credential ranks below the old one
-  and the node must sign its own again above it, half the time it ranks above at
-  once and only the replaced credential that peers send back tells it its old key;
+- a *credential* here is ``node|key|serial``: the node, which of its identity keys it
+  vouches for (a counter, bumped when the key is lost), and the serial it was signed
+  at (its incarnation at start-up, as the daemon's). Every second lost key comes with
+  a new certificate too (a host re-imaged and its certificate issued again), so the
+  rank is ``(key // 2, serial)``: half the time the new credential ranks below the
+  old one and the node must sign its own again above it, half the time it ranks above
+  at once and only the replaced credential that peers send back tells it its old key;
 - a record's *signature* is the number of the key that signed it, padded to the wire's
   64 bytes, set by the core's ``sign`` hook as the daemon's Ed25519 signature is;
 - `SimTrust.verify` is the daemon's `TrustList.check` with CA-bound keys: a record
@@ -35,7 +34,7 @@ peers hold its old credential until it signs its own again above it,
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from convergenced.core.credentials import CredentialBook, Rank, serial_to_outrank
 from convergenced.core.records import SIGNATURE_LEN, Record
@@ -44,17 +43,16 @@ from convergenced.sim.oracle import InvariantViolation
 MAX_SERIAL = (1 << 63) - 2
 
 
-def credential(node: str, key: int, serial: int, past: Iterable[int] = ()) -> bytes:
-    """The simulated credential of ``node`` vouching for its key ``key`` and for the
-    keys of its earlier lives ``past``."""
-    return f"{node}|{key}|{serial}|{','.join(map(str, sorted(past)))}".encode()
+def credential(node: str, key: int, serial: int) -> bytes:
+    """The simulated credential of ``node`` vouching for its key ``key``."""
+    return f"{node}|{key}|{serial}".encode()
 
 
-def parse(blob: bytes) -> tuple[str, int, int, frozenset[int]] | None:
-    """(node, key, serial, past keys) of a simulated credential, or None."""
+def parse(blob: bytes) -> tuple[str, int, int] | None:
+    """(node, key, serial) of a simulated credential, or None."""
     try:
-        node, key, serial, past = blob.decode().split("|")
-        return node, int(key), int(serial), frozenset(int(k) for k in past.split(",") if k)
+        node, key, serial = blob.decode().split("|")
+        return node, int(key), int(serial)
     except ValueError:
         return None
 
@@ -90,8 +88,6 @@ class SimTrust:
         peers sent back (the daemon's `TrustList.add_past_key`)."""
         self.keys: dict[str, int] = {}
         """node -> the key its held credential vouches for."""
-        self.past: dict[str, frozenset[int]] = {}
-        """node -> the keys of its earlier lives its held credential vouches for."""
         self._on_refused = on_refused
         self.book = CredentialBook(self._admit, self._changed, own=node, on_own=self._own_seen)
         self.book.put(node, rank_of(key, incarnation), credential(node, key, incarnation))
@@ -105,24 +101,23 @@ class SimTrust:
         parsed = parse(held.blob) if held is not None else None
         if parsed is None:
             self.keys.pop(node, None)
-            self.past.pop(node, None)
         else:
             self.keys[node] = parsed[1]
-            self.past[node] = parsed[3]
 
     def _own_seen(self, blob: bytes, rank: Rank) -> None:
+        # As the daemon's `Fleet._own_seen`: a credential of ours (sent back, or
+        # relayed) names a key of an earlier life, unless it is of a newer certificate.
         parsed = parse(blob)
-        if parsed is None:
-            return
-        learned = ({parsed[1]} | parsed[3]) - {self.key} - self.past_keys
-        self.past_keys |= learned
         own = self.book.get(self.node)
-        serial = serial_to_outrank(own.rank if own else None, rank, MAX_SERIAL)
-        if serial is None and learned and own is not None:
-            serial = own.rank[1] + 1  # peers must hear of those keys too
+        if parsed is None or own is None or rank[0] > own.rank[0]:
+            return
+        if parsed[1] != self.key:
+            self.past_keys.add(parsed[1])
+        serial = serial_to_outrank(own.rank, rank, MAX_SERIAL)
         if serial is not None:
-            blob = credential(self.node, self.key, serial, self.past_keys)
-            self.book.put(self.node, rank_of(self.key, serial), blob)
+            self.book.put(
+                self.node, rank_of(self.key, serial), credential(self.node, self.key, serial)
+            )
 
     def sign(self, rec: Record) -> Record:
         """The core's ``sign`` hook."""
@@ -145,7 +140,7 @@ class SimTrust:
         if via is not None and origin == via:
             return None
         used = signed_with(rec)
-        if used == key or (used is not None and used in self.past.get(origin, ())):
+        if used == key or (origin == self.node and used in self.past_keys):
             return None
         self._on_refused()
         return "bad_signature"

@@ -43,7 +43,6 @@ from convergenced.discovery.sources import Discovery
 from convergenced.errors import ConvergencedError
 from convergenced.security import pki
 from convergenced.security.node_credentials import (
-    MAX_PAST_KEYS,
     CredentialJudge,
     Refusal,
     make_credential,
@@ -89,9 +88,6 @@ class Fleet:
         self._awaited_since: dict[str, float] = {}
         self._contacts: frozenset[Contact] = frozenset()
         self._probed: dict[tuple[str, int], str] = {}
-        self._own_past: list[bytes] = []
-        """Record keys of this node's earlier lives, learned from its old credentials
-        that peers sent back; listed in its credential (the newest few)."""
         self._changed = trio.Event()
         self._stamps: dict[Path, tuple[float, int] | None] = {}
         self.on_members: Callable[[Config], None] | None = None
@@ -147,7 +143,6 @@ class Fleet:
             serial=incarnation,
             certificate=cert,
             tls_key=key,
-            past_keys=self._own_past[-MAX_PAST_KEYS:],
         )
         info = self.judge.check(blob)
         if isinstance(info, tuple):
@@ -157,25 +152,23 @@ class Fleet:
 
     def _own_seen(self, blob: bytes, rank: Rank) -> None:
         """A peer holds, or held, a credential of ours: from an earlier life (whose
-        record keys still verify our records of then), or a stolen certificate key's.
-        Its keys are accepted for our own records; one that ranks at or above ours is
-        outranked by signing ours again, and so is ours when it learned keys from it
-        (so that peers accept our records of then too)."""
+        record key still verifies our records of then: peers send back the ones they
+        replaced), or a stolen certificate key's. Unless it is of a newer certificate
+        than ours (then not ours), its record key is accepted for our own records; one
+        that ranks at or above ours is outranked by signing ours again."""
         judge, security = self.judge, self.security
         info = judge.info(blob) if judge is not None else None
         trust = security.trust
         own = self.book.get(self.config.node_id)
-        learned = []
-        newer_certificate = own is not None and rank[0] > own.rank[0]  # not ours, then
-        if info is not None and trust is not None and not newer_certificate:
-            for raw in (*info.past_keys, info.record_key):
-                if raw != security.own_public_key and raw not in self._own_past:
-                    trust.add_past_key(self.config.node_id, raw)
-                    self._own_past.append(raw)
-                    learned.append(raw)
+        newer_certificate = own is not None and rank[0] > own.rank[0]
+        if (
+            info is not None
+            and trust is not None
+            and not newer_certificate
+            and info.record_key != security.own_public_key
+        ):
+            trust.add_past_key(self.config.node_id, info.record_key)
         serial = serial_to_outrank(own.rank if own else None, rank, MAX_SERIAL)
-        if serial is None and learned and own is not None:
-            serial = min(own.rank[1] + 1, MAX_SERIAL)  # peers must hear of those keys
         if serial is None:
             if own is not None and newer_certificate:
                 log.error("a credential of this node with a newer certificate is in the "
@@ -194,9 +187,7 @@ class Fleet:
         if judge is not None and judge.remembered > 2 * len(self.book) + 1024:
             judge.keep_only({c.blob for n in self.book.nodes() if (c := self.book.get(n))})
         info = self.judge.info(cred.blob) if cred is not None and self.judge else None
-        self.security.set_credential_key(
-            node, info.record_key if info else None, info.past_keys if info else ()
-        )
+        self.security.set_credential_key(node, info.record_key if info else None)
         if self.on_credentials is not None:
             self.on_credentials()
         self._changed.set()

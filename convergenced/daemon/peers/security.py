@@ -10,7 +10,7 @@ core merges it; a rejected record is counted and dropped.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import structlog
@@ -73,13 +73,9 @@ class PeerSecurity:
             key = self.credential_keys.get(node) or self.list_keys.get(node)
             self.trust.set_key(node, key)
 
-    def set_credential_key(
-        self, node: str, raw: bytes | None, past: Iterable[bytes] | None = ()
-    ) -> None:
+    def set_credential_key(self, node: str, raw: bytes | None) -> None:
         """Trust ``raw`` for ``node`` because its credential says so (None: its
-        credential is gone; the trust list's key, if any, counts again), and the keys
-        of its earlier lives ``past`` that the credential vouches for too (None:
-        leave those as they are, for this node's own, which it learns itself)."""
+        credential is gone; the trust list's key, if any, counts again)."""
         if self.trust is None:
             return
         if raw is None:
@@ -88,8 +84,6 @@ class PeerSecurity:
             self.credential_keys[node] = raw
         if node not in self.revoked_nodes:
             self.trust.set_key(node, raw or self.list_keys.get(node))
-        if past is not None:
-            self.trust.set_past_keys(node, past if raw is not None else ())
 
 
 @dataclass(frozen=True, slots=True)
