@@ -14,6 +14,7 @@ each daemon's verifier finds it within its period.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,10 +31,14 @@ EXTRA = f"verification = {{ period_s = {PERIOD_S}, bandwidth_mb_s = 0 }}"
 
 
 def _flip(where: Path | str) -> None:
-    path = Path(where)
-    data = bytearray(path.read_bytes())
-    data[-1] ^= 0xFF
-    path.write_bytes(bytes(data))
+    # In place, one byte, as bit rot does: rewriting the file would truncate it first,
+    # and a verification pass reading it then sees an empty file ("corrupt"), not the
+    # flipped byte ("mismatch") the tests wait for.
+    with Path(where).open("r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)[0]
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last ^ 0xFF]))
 
 
 def _save(stores: list[CheckpointStore], epochs: range) -> None:
