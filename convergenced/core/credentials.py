@@ -38,14 +38,16 @@ as the link authenticated it. The function counts its own refusals."""
 MAX_CREDENTIAL_BYTES = 4096
 """Largest credential on the wire (an RSA-4096 certificate fits with room to spare)."""
 MAX_REPLACED = 2
-"""Replaced credentials kept per node (`CredentialBook.replaced`). Each one lists the
-keys of the lives before it, so the last two carry the history."""
+"""Replaced credentials kept per node (`CredentialBook.replaced`): those of its last
+two lives, for a node that lost its key twice before it linked to us again."""
+MAX_SERIAL = (1 << 63) - 2
+"""Highest serial a node signs its credential at (a msgpack int stays below 2^63)."""
 MAX_CREDENTIALS_PER_MESSAGE = 64
 """Credentials in one HELLO, TICK or TOCK: 64 of about 1 KiB stay well inside the
 frame budget, and a new link still learns 1,024 nodes in 16 exchanges."""
 
 
-def serial_to_outrank(own: Rank | None, seen: Rank, max_serial: int) -> int | None:
+def serial_to_outrank(own: Rank | None, seen: Rank) -> int | None:
     """The serial to sign this node's credential at again, after a peer sent back
     ``seen``, a credential of this node that it holds (from an earlier life, whose
     record key its peers would otherwise keep checking our records against).
@@ -53,11 +55,11 @@ def serial_to_outrank(own: Rank | None, seen: Rank, max_serial: int) -> int | No
     None when there is nothing to do: ours ranks above already, or ``seen`` is of a
     newer certificate (only a newer certificate of ours could outrank it, and one we
     do not hold means someone else has this node's certificate key: the adapter says
-    so). Otherwise one above ``seen``'s serial, at most ``max_serial``.
+    so). Otherwise one above ``seen``'s serial, at most `MAX_SERIAL`.
     """
     if own is None or seen < own or seen[0] > own[0]:
         return None
-    return min(seen[1] + 1, max_serial)
+    return min(seen[1] + 1, MAX_SERIAL)
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,11 +24,10 @@ stands in for is only the cryptography:
 A record that arrives over a link while the node holds **no** credential of its
 origin means the link sent it too early: the check raises an `InvariantViolation`
 ("protocol"). Records the ``replay`` fault injects (from no link) are refused as the
-daemon would, and counted. A record
-refused for its key is expected for a while after a node lost its identity key (its
-peers hold its old credential until it signs its own again above it,
-`core.credentials.serial_to_outrank`), and is counted; the cluster must still converge
-(S5).
+daemon would, and counted. A record refused for its key is expected for a while after a
+node lost its identity key (its peers hold its old credential until it signs its own
+again above it, `core.credentials.serial_to_outrank`), and is counted; the cluster must
+still converge (S5).
 """
 
 from __future__ import annotations
@@ -36,11 +35,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from convergenced.core.credentials import CredentialBook, Rank, serial_to_outrank
+from convergenced.core.credentials import Credential, CredentialBook, Rank, serial_to_outrank
 from convergenced.core.records import SIGNATURE_LEN, Record
 from convergenced.sim.oracle import InvariantViolation
-
-MAX_SERIAL = (1 << 63) - 2
 
 
 def credential(node: str, key: int, serial: int) -> bytes:
@@ -96,9 +93,8 @@ class SimTrust:
         parsed = parse(blob)
         return None if parsed is None else (parsed[0], rank_of(parsed[1], parsed[2]))
 
-    def _changed(self, node: str, cred: object) -> None:
-        held = self.book.get(node)
-        parsed = parse(held.blob) if held is not None else None
+    def _changed(self, node: str, cred: Credential | None) -> None:
+        parsed = parse(cred.blob) if cred is not None else None
         if parsed is None:
             self.keys.pop(node, None)
         else:
@@ -113,7 +109,7 @@ class SimTrust:
             return
         if parsed[1] != self.key:
             self.past_keys.add(parsed[1])
-        serial = serial_to_outrank(own.rank, rank, MAX_SERIAL)
+        serial = serial_to_outrank(own.rank, rank)
         if serial is not None:
             self.book.put(
                 self.node, rank_of(self.key, serial), credential(self.node, self.key, serial)

@@ -54,7 +54,6 @@ BOOTSTRAP_LINKS = 2
 MAX_PROBED = 65536
 RESEND_S = 3600.0
 """How often every link sends every credential again (`CredentialBook.resend`)."""
-MAX_SERIAL = (1 << 63) - 2
 GRACE_REFRESHES = 3
 """A discovered member missing from this many lookups in a row is gone."""
 OVERDUE_S = 10.0
@@ -168,7 +167,7 @@ class Fleet:
             and info.record_key != security.own_public_key
         ):
             trust.add_past_key(self.config.node_id, info.record_key)
-        serial = serial_to_outrank(own.rank if own else None, rank, MAX_SERIAL)
+        serial = serial_to_outrank(own.rank if own else None, rank)
         if serial is None:
             if own is not None and newer_certificate:
                 log.error("a credential of this node with a newer certificate is in the "
