@@ -25,6 +25,9 @@ Usage::
 
 ``--quick``: 4 nodes, 4 streams, 3 s spans (a smoke run for ``make test``).
 ``--out DIR`` writes ``DIR/footprint.md`` (the Markdown section of BENCHMARKS.md).
+``--tick-ms``, ``--idle-ticks``, ``--dead-ticks`` run the daemons with another link
+timer (defaults: 100 ms, a heartbeat every 5 ticks, a silent link down after 20), to
+show what the heartbeat costs; they write ``DIR/footprint-timer-TICK-IDLE-DEAD.md``.
 """
 
 from __future__ import annotations
@@ -61,6 +64,27 @@ class Config:
     interval_s: float
     span_s: float
     """How long each phase is measured."""
+    tick_ms: int | None = None
+    """Link timer period; None: the daemon's default (100 ms)."""
+    idle_ticks: int | None = None
+    """Heartbeat period in link-timer ticks; None: the daemon's default (5)."""
+    dead_ticks: int | None = None
+    """Silence that declares a link down, in ticks; None: the daemon's default (20)."""
+
+    @property
+    def default_timer(self) -> bool:
+        """The daemon's own link timer (no override)."""
+        return self.tick_ms is None and self.idle_ticks is None and self.dead_ticks is None
+
+    def timer(self) -> str:
+        """The link timer in words."""
+        tick = 100 if self.tick_ms is None else self.tick_ms
+        idle = 5 if self.idle_ticks is None else self.idle_ticks
+        dead = 20 if self.dead_ticks is None else self.dead_ticks
+        return (
+            f"a {tick} ms link timer, a heartbeat every {idle} ticks ({tick * idle} ms), "
+            f"a silent link down after {dead} ticks ({tick * dead} ms)"
+        )
 
 
 FULL = Config("full", nodes=16, streams=16, interval_s=1.0, span_s=20.0)
@@ -188,7 +212,9 @@ async def _measure(cluster: bd.LocalCluster, cfg: Config) -> list[Phase]:
 
 def run(cfg: Config) -> list[Phase]:
     """One fresh cluster, idle then loaded."""
-    with bd.LocalCluster(cfg.nodes, tick_ms=None, idle_ticks=None, dead_ticks=None) as cluster:
+    with bd.LocalCluster(
+        cfg.nodes, tick_ms=cfg.tick_ms, idle_ticks=cfg.idle_ticks, dead_ticks=cfg.dead_ticks
+    ) as cluster:
         cluster.start_all()
         return trio.run(_measure, cluster, cfg)
 
@@ -212,8 +238,9 @@ def render(phases: Sequence[Phase], cfg: Config) -> str:
     lag = max(load.restore_point_lag, default=0)
     lines += [
         "",
-        f"{cfg.nodes} daemons, full mesh, mutual TLS, default link timer; each phase measured "
-        f"{cfg.span_s:g} s",
+        f"{cfg.nodes} daemons, full mesh, mutual TLS, "
+        + ("default link timer" if cfg.default_timer else cfg.timer())
+        + f"; each phase measured {cfg.span_s:g} s",
         f"load: {cfg.streams} streams x {cfg.nodes} members, every node commits the next "
         f"epoch of every stream every {cfg.interval_s:g} s",
         f"restore point at the end of the load: at most {lag} epoch(s) behind the last "
@@ -236,9 +263,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, metavar="S", help="streams under load")
     parser.add_argument("--interval-s", type=float, metavar="T", help="commit interval")
     parser.add_argument("--span-s", type=float, metavar="SECONDS", help="each phase's span")
+    parser.add_argument("--tick-ms", type=int, metavar="MS", help="link timer period")
+    parser.add_argument(
+        "--idle-ticks", type=int, metavar="K", help="heartbeat every K link-timer ticks"
+    )
+    parser.add_argument(
+        "--dead-ticks", type=int, metavar="K", help="a link silent for K ticks is down"
+    )
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else FULL
-    for key in ("nodes", "streams", "interval_s", "span_s"):
+    for key in ("nodes", "streams", "interval_s", "span_s", "tick_ms", "idle_ticks", "dead_ticks"):
         value = getattr(args, key)
         if value is not None:
             if value <= 0 or (key == "nodes" and value < 2):
@@ -255,7 +289,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"elapsed: {info['elapsed_s']} s  (loadavg at end {info['loadavg_at_end']})")
     if args.out:
         command = report.command_line(__file__, sys.argv[1:] if argv is None else argv)
-        report.write_fragment(args.out, "footprint", command, info["machine"], table)
+        name = "footprint"
+        if not cfg.default_timer:
+            name += f"-timer-{cfg.tick_ms or 100}-{cfg.idle_ticks or 5}-{cfg.dead_ticks or 20}"
+        report.write_fragment(args.out, name, command, info["machine"], table)
     if args.json:
         info["config"] = dataclasses.asdict(cfg)
         print(json.dumps(info | {"phases": [p.to_json() for p in phases]}, sort_keys=True))
