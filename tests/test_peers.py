@@ -20,7 +20,7 @@ from convergenced.core.gate import OutputGate
 from convergenced.core.link import LinkConfig, Role
 from convergenced.core.node import NodeCore
 from convergenced.core.spec import Policy, StreamSpec
-from convergenced.daemon.config import Peer
+from convergenced.daemon.config import DEFAULT_DEAD_TICKS, DEFAULT_IDLE_TICKS, DEFAULT_TICK_MS, Peer
 from convergenced.daemon.peers.dialer import Backoff, dial_forever
 from convergenced.daemon.peers.session import PeerHub, PeerSession
 from convergenced.daemon.telemetry import Telemetry
@@ -34,7 +34,8 @@ def autojump_clock() -> trio.testing.MockClock:
     return trio.testing.MockClock(autojump_threshold=0)
 
 
-def _hub(name: str, spec: StreamSpec = SPEC) -> PeerHub:
+def _hub(name: str, spec: StreamSpec = SPEC, config: LinkConfig | None = None,
+         tick: float = TICK) -> PeerHub:  # fmt: skip
     node = NodeCore(name, 1)
     gate = OutputGate(node)
     gate.apply(Declare(spec))
@@ -42,8 +43,8 @@ def _hub(name: str, spec: StreamSpec = SPEC) -> PeerHub:
     async def durable(position: int) -> None:  # no log here: the log has its own tests
         gate.synced(gate.take_unlogged()[1])
 
-    config = LinkConfig(cluster="test", dead_ticks=50)
-    return PeerHub(node, gate, durable, config, Telemetry(), tick_seconds=TICK)
+    config = config or LinkConfig(cluster="test", dead_ticks=50)
+    return PeerHub(node, gate, durable, config, Telemetry(), tick_seconds=tick)
 
 
 def _link(a: PeerHub, b: PeerHub, nursery: trio.Nursery) -> tuple[PeerSession, PeerSession]:
@@ -162,6 +163,68 @@ async def test_a_silent_peer_is_declared_down_after_dead_ticks(
             assert dead <= trio.current_time() - started < dead + 2 * TICK
             nursery.cancel_scope.cancel()
             await silent.aclose()
+
+
+class _Stallable(trio.abc.Stream):
+    """A stream whose owner can stall, as a stopped or starved process does: once
+    stalled, it neither sends nor reads, and the connection stays open."""
+
+    def __init__(self, inner: trio.abc.Stream) -> None:
+        self.inner = inner
+        self.stalled = False
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        if self.stalled:
+            await trio.sleep_forever()
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        if self.stalled:
+            await trio.sleep_forever()
+        return await self.inner.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_the_default_timer_heartbeats_each_second_and_finds_a_stalled_peer_in_2_s(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    tick = DEFAULT_TICK_MS / 1000
+    config = LinkConfig(
+        cluster="test", idle_ticks=DEFAULT_IDLE_TICKS, dead_ticks=DEFAULT_DEAD_TICKS
+    )
+    a, b = _hub("a", config=config, tick=tick), _hub("b", config=config, tick=tick)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.run_timer)
+            nursery.start_soon(b.run_timer)
+            left, right = trio.testing.memory_stream_pair()
+            theirs = _Stallable(right)
+            ours = PeerSession(a, left, Role.INITIATOR)
+            nursery.start_soon(ours.run)
+            nursery.start_soon(PeerSession(b, theirs, Role.ACCEPTOR).run)
+            await _until(lambda: ours.peer == "b")
+            # Idle: each side hears from the other about once a second.
+            sent, received = ours.link.frames_sent, ours.link.frames_received
+            await trio.sleep(10.0)
+            assert 9 <= ours.link.frames_sent - sent <= 13
+            assert 9 <= ours.link.frames_received - received <= 13
+            assert ours.closed_reason is None
+            # The peer stalls: its link is declared down within 2 s of the last frame.
+            theirs.stalled = True
+            heard, last = ours.link.frames_received, trio.current_time()
+            while ours.closed_reason is None:
+                if ours.link.frames_received != heard:
+                    heard, last = ours.link.frames_received, trio.current_time()
+                await trio.sleep(0.005)
+            assert "link declared down" in ours.closed_reason
+            silence = trio.current_time() - last
+            assert (DEFAULT_DEAD_TICKS - 1) * tick <= silence <= 2.0 + 0.01
+            nursery.cancel_scope.cancel()
 
 
 async def test_the_dialler_backs_off_after_failures_and_redials_a_lost_link(

@@ -47,11 +47,11 @@ DEFAULT_PORT = 7946
 DEFAULT_SOCKET = Path("/run/convergenced/convergenced.sock")
 DEFAULT_STATE_DIR = Path("/var/lib/convergenced")
 DEFAULT_IDENTITY = Path("/etc/convergenced/identity.key")
-DEFAULT_TICK_MS = 100
-DEFAULT_IDLE_TICKS = 5
-DEFAULT_DEAD_TICKS = 20
 """Outside the state directory on purpose: a lost state directory must not take the
 node's identity with it (a host that lost its key is a replaced host)."""
+DEFAULT_TICK_MS = 200
+DEFAULT_IDLE_TICKS = 5
+DEFAULT_DEAD_TICKS = 10
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -116,14 +116,15 @@ class Config:
     state_dir: Path = DEFAULT_STATE_DIR
     tick_ms: int = DEFAULT_TICK_MS
     """Link timer period; heartbeats and failure detection count these ticks. Each
-    tick wakes the daemon once (0.3% of a core every 100 ms on the benchmark VM), so
-    it is no finer than failure detection needs."""
+    tick wakes the daemon once, so it is no finer than failure detection needs."""
     idle_ticks: int = DEFAULT_IDLE_TICKS
-    """An idle link sends a heartbeat every this many ticks (500 ms by default: an idle
-    16-node mesh then exchanges 480 frames/s, against 1,200 at 200 ms)."""
+    """An idle link exchanges a heartbeat every this many ticks (1 s by default). Each
+    side of a link then hears from the other about once a second: in an idle
+    16-node mesh 16 daemons use about 11% of one core together, against 27% with a
+    500 ms heartbeat (BENCHMARKS.md, "Footprint at N = 16")."""
     dead_ticks: int = DEFAULT_DEAD_TICKS
-    """Silence for this many ticks declares a link down (2 s by default, four missed
-    heartbeats: long enough to ride out a loaded host's scheduling hiccups)."""
+    """Silence for this many ticks declares a link down (2 s by default: a peer may
+    stall for about a second, one missed heartbeat, without losing its links)."""
     mesh_limit: int = 16
     wal_compact_bytes: int = 64 << 20
     """Compact the write-ahead log once it grows past this (and past twice its size
