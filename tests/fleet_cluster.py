@@ -38,7 +38,7 @@ idle_ticks = 4
 dead_ticks = 40
 """
 """The tests' link timer: failures show within a second (the daemon's default is a
-100 ms tick, a heartbeat every 500 ms and a link down after 2 s)."""
+200 ms tick, a heartbeat every second and a link down after 2 s)."""
 
 FLEET_CONFIG = """\
 cluster = "fleet"
