@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cluster.add_argument("--cluster", default="local", help="cluster name (default local)")
     cluster.add_argument("--tick-ms", type=int, default=None,
-                         help="link timer period in ms (default: the daemon's, 100)")  # fmt: skip
+                         help="link timer period in ms (default: the daemon's, 200)")  # fmt: skip
     cluster.add_argument(
         "--metrics-base-port",
         type=int,

@@ -32,6 +32,25 @@ def test_a_minimal_file_gets_single_host_defaults(tmp_path: Path) -> None:
     assert cfg.dead_ticks > cfg.idle_ticks
 
 
+def test_the_shipped_example_and_the_help_give_the_daemons_link_timer(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The example file and `convergenced cluster --help` spell the defaults out; they
+    # must not drift from what the daemon does without them.
+    cfg = load(EXAMPLE)
+    assert (cfg.tick_ms, cfg.idle_ticks, cfg.dead_ticks) == (
+        config_mod.DEFAULT_TICK_MS,
+        config_mod.DEFAULT_IDLE_TICKS,
+        config_mod.DEFAULT_DEAD_TICKS,
+    )
+    from convergenced.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["cluster", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert f"the daemon's, {config_mod.DEFAULT_TICK_MS})" in help_text
+
+
 def test_peers_are_parsed(tmp_path: Path) -> None:
     cfg = load(
         _write(
