@@ -8,6 +8,8 @@ keep a replaced host from splitting the overlay, on one `Fleet` object, with tri
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import trio
 import trio.testing
@@ -115,3 +117,37 @@ def test_only_addresses_in_doubt_are_probed() -> None:
     assert fleet._worth_probing() == {("127.0.0.1", 7003), ("127.0.0.1", 7004)}
     fleet.linked = lambda: frozenset({"spare"})  # a link says who answers at 7003
     assert fleet._worth_probing() == {("127.0.0.1", 7004)}
+
+
+@pytest.mark.trio
+async def test_a_dead_address_is_probed_less_and_less_often(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # A dead host left in DNS or a contacts file would otherwise cost every node a
+    # connection attempt per recheck period, forever.
+    fleet = fleet_of(config("me", {}, port=7000))
+    fleet._contacts_changed(frozenset({Contact("127.0.0.1", 7009)}))
+    probes: list[float] = []
+
+    async def nobody_answers(host: str, port: int) -> str:
+        probes.append(trio.current_time())
+        raise OSError(111, "Connection refused")
+
+    fleet.security.transport.probe = nobody_answers  # type: ignore[method-assign]
+    period = fleet._recheck_s()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(fleet.run, nursery)
+        await trio.sleep(70 * period)
+        gaps = [round((b - a) / period) for a, b in itertools.pairwise(probes)]
+        assert gaps[:7] == [1, 2, 4, 8, 16, 16, 16]
+        # A spare announces itself at that address beside the dead host's claim: who
+        # answers there is in doubt anew, and it is probed at once.
+        fleet._advertised = lambda: {  # type: ignore[method-assign]
+            "dead": ("127.0.0.1", 7009),
+            "spare": ("127.0.0.1", 7009),
+        }
+        fleet._changed.set()
+        before = len(probes)
+        await trio.sleep(2.0)
+        assert len(probes) == before + 1
+        nursery.cancel_scope.cancel()

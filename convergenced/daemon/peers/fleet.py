@@ -52,6 +52,10 @@ log = structlog.get_logger("convergenced.daemon")
 
 BOOTSTRAP_LINKS = 2
 MAX_PROBED = 65536
+PROBE_BACKOFF_MAX = 16
+"""An address in doubt that never answers (a dead host still in DNS or a contacts
+file) is probed again after 1, 2, 4 ... and at most this many recheck periods; an
+answer, or a change in which credentials claim the address, starts over at one."""
 RESEND_S = 3600.0
 """How often every link sends every credential again (`CredentialBook.resend`)."""
 GRACE_REFRESHES = 3
@@ -87,6 +91,9 @@ class Fleet:
         self._awaited_since: dict[str, float] = {}
         self._contacts: frozenset[Contact] = frozenset()
         self._probed: dict[tuple[str, int], str] = {}
+        self._probe_after: dict[tuple[str, int], tuple[float, int, frozenset[str]]] = {}
+        """Per address probed: when it may be probed again, how many probes in a row
+        found nobody, and who claimed it then (`_note_probe`)."""
         self._changed = trio.Event()
         self._stamps: dict[Path, tuple[float, int] | None] = {}
         self.on_members: Callable[[Config], None] | None = None
@@ -254,9 +261,7 @@ class Fleet:
         bootstrap links spread its credential), which makes two claims. Probing every
         address not linked would cost every node a TLS handshake per member and
         recheck period, N^2 across the fleet, while the overlay links only log N."""
-        claims: dict[tuple[str, int], int] = {}
-        for address in self._advertised().values():
-            claims[address] = claims.get(address, 0) + 1
+        claims = self._claims()
         linked = self.linked()
         held = {a for node, a in self._learned().items() if node in linked}
         held.add(self.config.advertise)
@@ -265,8 +270,35 @@ class Fleet:
             for c in self._contacts
             if c.node_id is None
             and (c.host, c.port) not in held
-            and claims.get((c.host, c.port), 0) != 1
+            and len(claims.get((c.host, c.port), ())) != 1
         }
+
+    def _claims(self) -> dict[tuple[str, int], frozenset[str]]:
+        """address -> the nodes whose credential advertises it."""
+        out: dict[tuple[str, int], set[str]] = {}
+        for node, address in self._advertised().items():
+            out.setdefault(address, set()).add(node)
+        return {address: frozenset(nodes) for address, nodes in out.items()}
+
+    def _probe_due(self, address: tuple[str, int], claimants: frozenset[str], now: float) -> bool:
+        after = self._probe_after.get(address)
+        return after is None or now >= after[0] or claimants != after[2]
+
+    def _note_probe(
+        self, address: tuple[str, int], answered: bool, claimants: frozenset[str], now: float
+    ) -> None:
+        """Schedule the next probe of ``address``: one recheck period after an answer,
+        twice as long after each probe in a row that found nobody (up to
+        `PROBE_BACKOFF_MAX` periods), while the same credentials claim it."""
+        _, failures, before = self._probe_after.get(address, (0.0, 0, claimants))
+        failures = 0 if answered or before != claimants else failures
+        periods = 1
+        if not answered:
+            failures += 1
+            periods = min(2 ** (failures - 1), PROBE_BACKOFF_MAX)
+        if len(self._probe_after) >= MAX_PROBED:
+            self._probe_after.clear()  # bounded; at worst a dead address is probed sooner
+        self._probe_after[address] = (now + periods * self._recheck_s(), failures, claimants)
 
     def _present(self, learned: dict[str, tuple[str, int]]) -> dict[str, tuple[str, int]]:
         """The learned members still present. DNS, SRV and the file list the whole
@@ -310,18 +342,22 @@ class Fleet:
 
     def _contacts_changed(self, contacts: frozenset[Contact]) -> None:
         self._contacts = contacts
+        addresses = {(c.host, c.port) for c in contacts}
+        self._probe_after = {a: v for a, v in self._probe_after.items() if a in addresses}
         self._changed.set()
 
-    async def _probe(self, contact: Contact) -> None:
+    async def _probe(self, contact: Contact) -> bool:
+        """Ask who answers at ``contact``; False when nobody did."""
         try:
             node = await self.security.transport.probe(contact.host, contact.port)
         except (OSError, trio.TooSlowError, ConvergencedError) as exc:
             log.debug("probe failed", address=contact.address, error=str(exc))
-            return
+            return False
         if len(self._probed) >= MAX_PROBED:
             self._probed.clear()  # bounded; what is still there is probed again
         self._probed[(contact.host, contact.port)] = node
         self._changed.set()
+        return True
 
     # -- the tasks ----------------------------------------------------------------
 
@@ -336,14 +372,22 @@ class Fleet:
             with trio.move_on_after(OVERDUE_S / 2):  # overdue links show without a change
                 await self._changed.wait()
             self._changed = trio.Event()
-            # Addresses in doubt are probed (each at most once per recheck period):
-            # whoever answers there now is who is there.
-            doubtful = self._worth_probing() - probing
+            # Addresses in doubt are probed (each at most once per recheck period, and
+            # less often while nobody answers): whoever answers there now is who is there.
+            now, claims = trio.current_time(), self._claims()
+            doubtful = {
+                address
+                for address in self._worth_probing() - probing
+                if self._probe_due(address, claims.get(address, frozenset()), now)
+            }
             for c in self._contacts:
-                if (c.host, c.port) in doubtful:
-                    doubtful.discard((c.host, c.port))
-                    probing.add((c.host, c.port))
-                    nursery.start_soon(self._probe_once, c, probing)
+                address = (c.host, c.port)
+                if address in doubtful:
+                    doubtful.discard(address)
+                    probing.add(address)
+                    nursery.start_soon(
+                        self._probe_once, c, probing, claims.get(address, frozenset())
+                    )
             effective = self.effective()
             self._choose_bootstrap(effective)
             self._choose_overdue(effective)
@@ -400,12 +444,15 @@ class Fleet:
                 self.overdue.add(node)
                 del self._awaited_since[node]
 
-    async def _probe_once(self, contact: Contact, probing: set[tuple[str, int]]) -> None:
+    async def _probe_once(
+        self, contact: Contact, probing: set[tuple[str, int]], claimants: frozenset[str]
+    ) -> None:
+        address = (contact.host, contact.port)
         try:
-            await self._probe(contact)
+            answered = await self._probe(contact)
         finally:
-            await trio.sleep(self._recheck_s())
-            probing.discard((contact.host, contact.port))
+            probing.discard(address)
+        self._note_probe(address, answered, claimants, trio.current_time())
 
     def _recheck_s(self) -> float:
         return self.config.fleet.revocation.recheck_s
