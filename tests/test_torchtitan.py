@@ -234,10 +234,14 @@ def test_a_relaunch_loads_the_agreed_step_not_torchtitans_highest_with_metadata(
         second = _launch(tmp_path, "second", {**cfg, "steps": 10, "async_mode": "disabled",
                                               "last_save_model_only": True})  # fmt: skip
         restored = _restored(second)
-        # Step 7 could not be restored (both ranks found it incomplete and retracted
-        # their parts): an incomplete recovery, counted once by each node.
+        # Step 7 could not be restored: an incomplete recovery, counted once by each node
+        # whose rank found the step incomplete and retracted its part. Both ranks check
+        # the step; one whose daemon already heard the other's retraction when it asked
+        # learns that the step is lost and retracts nothing, so one node or both count
+        # it, and the max over the nodes counts the generation (the metric's help).
         incomplete = 'convergenced_incomplete_recoveries_total{stream="titan"}'
-        assert [_metric(cluster, i, incomplete) for i in (1, 2)] == [1, 1]
+        counted = [_metric(cluster, i, incomplete) for i in (1, 2)]
+        assert max(counted) == 1 and set(counted) <= {0, 1}, counted
         assert [r["torchtitan_would_load"] for r in restored] == [7] * WORLD
         assert [(r["restored"], r["step"]) for r in restored] == [(6, 6)] * WORLD
         assert len({r["generation"] for r in restored}) == 1
