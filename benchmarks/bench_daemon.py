@@ -621,6 +621,8 @@ class ConvResult:
     """The same over the whole sampling (pauses included)."""
     first_rp_s: float
     """From the first declare until every node had the first restore point."""
+    fsyncs_per_sample_node: float = math.nan
+    """The log's fsyncs per sample, median over the daemons (``wal_fsyncs``)."""
 
     @property
     def samples(self) -> list[Sample]:
@@ -691,9 +693,19 @@ class ConvResult:
             "all_frames_per_sample": self.all_frames_per_sample,
             "all_daemon_cpu_per_sample_per_node_s": self.all_cpu_per_sample_node_s,
             "first_restore_point_s": self.first_rp_s,
+            "log_fsyncs_per_sample_per_node": self.fsyncs_per_sample_node,
             "target": target if self.nodes == TARGET_NODES else None,
             "status": self.status(),
         }
+
+
+async def log_fsyncs(clients: Sequence[AsyncClient]) -> list[float]:
+    """fsyncs of each node's log so far (``wal_fsyncs``; nan if a daemon lacks it)."""
+    out = []
+    for c in clients:
+        value = (await c.status())["counters"].get("wal_fsyncs")
+        out.append(math.nan if value is None else float(value))
+    return out
 
 
 async def frames_sent(clients: Sequence[AsyncClient]) -> int:
@@ -765,6 +777,7 @@ async def convergence_samples(cluster: LocalCluster, cfg: Config, rng: random.Ra
 
         runs: list[list[Sample]] = []
         epoch = 0
+        fsyncs0 = await log_fsyncs(clients)
         frames0, meter = await frames_sent(clients), CpuMeter(pids)
         for _ in range(cfg.conv_runs):
             run: list[Sample] = []
@@ -778,7 +791,9 @@ async def convergence_samples(cluster: LocalCluster, cfg: Config, rng: random.Ra
         busy = meter.stop()
         busy["frames_per_s"] = (await frames_sent(clients) - frames0) / busy["wall_s"]
         busy["samples_per_s"] = epoch / busy["wall_s"]
-    return ConvResult(n, runs, idle, busy, first_rp)
+        fsyncs1 = await log_fsyncs(clients)
+    per_node = [(b - a) / epoch for a, b in zip(fsyncs0, fsyncs1, strict=True)]
+    return ConvResult(n, runs, idle, busy, first_rp, statistics.median(per_node))
 
 
 def bench_convergence(cfg: Config) -> list[ConvResult]:
@@ -816,7 +831,7 @@ def render_convergence(results: Sequence[ConvResult], cfg: Config) -> str:
     header = (
         f"{'N':>3}  {'idle: daemons':>13}  {'frames/s':>8}  {'sampling: daemons':>17}  "
         f"{'client':>6}  {'other':>6}  {'frames/s':>8}  {'frames/sample':>13}  "
-        f"{'CPU/sample/node':>15}  {'all frames':>10}  {'all CPU':>8}"
+        f"{'CPU/sample/node':>15}  {'all frames':>10}  {'all CPU':>8}  {'fsyncs/sample/node':>18}"
     )
     lines += [header, "-" * len(header)]
     for r in results:
@@ -825,7 +840,7 @@ def render_convergence(results: Sequence[ConvResult], cfg: Config) -> str:
             f"{r.busy['daemons']:>17.0%}  {r.busy['client']:>6.0%}  {r.busy['other']:>6.0%}  "
             f"{r.busy['frames_per_s']:>8,.0f}  {r.frames_per_sample:>13,.0f}  "
             f"{ms(r.cpu_per_sample_node_s):>15}  {r.all_frames_per_sample:>10,.0f}  "
-            f"{ms(r.all_cpu_per_sample_node_s):>8}"
+            f"{ms(r.all_cpu_per_sample_node_s):>8}  {r.fsyncs_per_sample_node:>18.2f}"
         )
     lines += [
         "",
@@ -849,6 +864,9 @@ def render_convergence(results: Sequence[ConvResult], cfg: Config) -> str:
         "pauses included);",
         "  busy links send fewer heartbeats than idle ones, so a convergence costs between "
         "the two figures",
+        "fsyncs/sample/node: fsyncs of a daemon's log per sample (its wal_fsyncs counter; "
+        "median over the",
+        "  daemons): the commit's, then the high-water mark's before the restore point may be told",
         "heartbeats (tick_ms x idle_ticks) do not gate convergence: a commit wakes the "
         "links at once;",
         "  they only load the CPUs",
