@@ -26,8 +26,8 @@ Usage::
 ``--quick``: 4 nodes, 4 streams, 3 s spans (a smoke run for ``make test``).
 ``--out DIR`` writes ``DIR/footprint.md`` (the Markdown section of BENCHMARKS.md).
 ``--tick-ms``, ``--idle-ticks``, ``--dead-ticks`` run the daemons with another link
-timer (defaults: 100 ms, a heartbeat every 5 ticks, a silent link down after 20), to
-show what the heartbeat costs; they write ``DIR/footprint-timer-TICK-IDLE-DEAD.md``.
+timer than the daemon's defaults (`convergenced.daemon.config`), to show what the
+heartbeat costs; they write ``DIR/footprint-timer-TICK-IDLE-DEAD.md``.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ import bench_daemon as bd
 import report
 
 from convergenced.client import AsyncClient
+from convergenced.daemon.config import DEFAULT_DEAD_TICKS, DEFAULT_IDLE_TICKS, DEFAULT_TICK_MS
 
 STREAM_PREFIX = "bench-footprint"
 
@@ -65,22 +66,28 @@ class Config:
     span_s: float
     """How long each phase is measured."""
     tick_ms: int | None = None
-    """Link timer period; None: the daemon's default (100 ms)."""
+    """Link timer period; None: the daemon's default."""
     idle_ticks: int | None = None
-    """Heartbeat period in link-timer ticks; None: the daemon's default (5)."""
+    """Heartbeat period in link-timer ticks; None: the daemon's default."""
     dead_ticks: int | None = None
-    """Silence that declares a link down, in ticks; None: the daemon's default (20)."""
+    """Silence that declares a link down, in ticks; None: the daemon's default."""
 
     @property
     def default_timer(self) -> bool:
         """The daemon's own link timer (no override)."""
         return self.tick_ms is None and self.idle_ticks is None and self.dead_ticks is None
 
+    def ticks(self) -> tuple[int, int, int]:
+        """(tick_ms, idle_ticks, dead_ticks) the daemons run with."""
+        return (
+            DEFAULT_TICK_MS if self.tick_ms is None else self.tick_ms,
+            DEFAULT_IDLE_TICKS if self.idle_ticks is None else self.idle_ticks,
+            DEFAULT_DEAD_TICKS if self.dead_ticks is None else self.dead_ticks,
+        )
+
     def timer(self) -> str:
         """The link timer in words."""
-        tick = 100 if self.tick_ms is None else self.tick_ms
-        idle = 5 if self.idle_ticks is None else self.idle_ticks
-        dead = 20 if self.dead_ticks is None else self.dead_ticks
+        tick, idle, dead = self.ticks()
         return (
             f"a {tick} ms link timer, a heartbeat every {idle} ticks ({tick * idle} ms), "
             f"a silent link down after {dead} ticks ({tick * dead} ms)"
@@ -291,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = report.command_line(__file__, sys.argv[1:] if argv is None else argv)
         name = "footprint"
         if not cfg.default_timer:
-            name += f"-timer-{cfg.tick_ms or 100}-{cfg.idle_ticks or 5}-{cfg.dead_ticks or 20}"
+            name += "-timer-" + "-".join(map(str, cfg.ticks()))
         report.write_fragment(args.out, name, command, info["machine"], table)
     if args.json:
         info["config"] = dataclasses.asdict(cfg)

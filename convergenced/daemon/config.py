@@ -120,7 +120,7 @@ class Config:
     idle_ticks: int = DEFAULT_IDLE_TICKS
     """An idle link exchanges a heartbeat every this many ticks (1 s by default). Each
     side of a link then hears from the other about once a second: in an idle
-    16-node mesh 16 daemons use about 11% of one core together, against 27% with a
+    16-node mesh 16 daemons use 16-18% of one core together, against 30-34% with a
     500 ms heartbeat (BENCHMARKS.md, "Footprint at N = 16")."""
     dead_ticks: int = DEFAULT_DEAD_TICKS
     """Silence for this many ticks declares a link down (2 s by default: a peer may

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import structlog
 import trio
@@ -65,6 +65,17 @@ OVERDUE_S = 10.0
 dialled from here too (`Fleet.overdue`)."""
 
 
+class _ProbeSchedule(NamedTuple):
+    """When an address in doubt may be probed again (`Fleet._note_probe`)."""
+
+    not_before: float
+    """`trio.current_time` from which it may."""
+    failures: int
+    """Probes in a row that found nobody there."""
+    claimants: frozenset[str]
+    """The nodes whose credentials claimed the address then."""
+
+
 class Fleet:
     """This node's knowledge of its fleet; see the module docstring."""
 
@@ -91,9 +102,8 @@ class Fleet:
         self._awaited_since: dict[str, float] = {}
         self._contacts: frozenset[Contact] = frozenset()
         self._probed: dict[tuple[str, int], str] = {}
-        self._probe_after: dict[tuple[str, int], tuple[float, int, frozenset[str]]] = {}
-        """Per address probed: when it may be probed again, how many probes in a row
-        found nobody, and who claimed it then (`_note_probe`)."""
+        self._probe_after: dict[tuple[str, int], _ProbeSchedule] = {}
+        """Per address probed: when it may be probed again (`_note_probe`)."""
         self._changed = trio.Event()
         self._stamps: dict[Path, tuple[float, int] | None] = {}
         self.on_members: Callable[[Config], None] | None = None
@@ -251,7 +261,9 @@ class Fleet:
                     out[node] = parse_address(info.address, None)
         return out
 
-    def _worth_probing(self) -> set[tuple[str, int]]:
+    def _worth_probing(
+        self, claims: dict[tuple[str, int], frozenset[str]] | None = None
+    ) -> set[tuple[str, int]]:
         """The discovered addresses whose node is in doubt: claimed by no credential
         held (a host not heard of yet) or by several (a host replaced by a spare at the
         same address, until a probe says which answers there), and held by no link.
@@ -260,8 +272,9 @@ class Fleet:
         far as anyone has said, and a spare that took it over announces itself (its
         bootstrap links spread its credential), which makes two claims. Probing every
         address not linked would cost every node a TLS handshake per member and
-        recheck period, N^2 across the fleet, while the overlay links only log N."""
-        claims = self._claims()
+        recheck period, N^2 across the fleet, while the overlay links only log N.
+        ``claims``: `_claims`, when the caller has it already."""
+        claims = self._claims() if claims is None else claims
         linked = self.linked()
         held = {a for node, a in self._learned().items() if node in linked}
         held.add(self.config.advertise)
@@ -282,7 +295,7 @@ class Fleet:
 
     def _probe_due(self, address: tuple[str, int], claimants: frozenset[str], now: float) -> bool:
         after = self._probe_after.get(address)
-        return after is None or now >= after[0] or claimants != after[2]
+        return after is None or now >= after.not_before or claimants != after.claimants
 
     def _note_probe(
         self, address: tuple[str, int], answered: bool, claimants: frozenset[str], now: float
@@ -290,15 +303,17 @@ class Fleet:
         """Schedule the next probe of ``address``: one recheck period after an answer,
         twice as long after each probe in a row that found nobody (up to
         `PROBE_BACKOFF_MAX` periods), while the same credentials claim it."""
-        _, failures, before = self._probe_after.get(address, (0.0, 0, claimants))
-        failures = 0 if answered or before != claimants else failures
-        periods = 1
+        before = self._probe_after.get(address)
+        failures = 0
         if not answered:
+            if before is not None and before.claimants == claimants:
+                failures = before.failures
             failures += 1
-            periods = min(2 ** (failures - 1), PROBE_BACKOFF_MAX)
+        periods = min(2 ** (failures - 1), PROBE_BACKOFF_MAX) if failures else 1
         if len(self._probe_after) >= MAX_PROBED:
             self._probe_after.clear()  # bounded; at worst a dead address is probed sooner
-        self._probe_after[address] = (now + periods * self._recheck_s(), failures, claimants)
+        not_before = now + periods * self._recheck_s()
+        self._probe_after[address] = _ProbeSchedule(not_before, failures, claimants)
 
     def _present(self, learned: dict[str, tuple[str, int]]) -> dict[str, tuple[str, int]]:
         """The learned members still present. DNS, SRV and the file list the whole
@@ -377,7 +392,7 @@ class Fleet:
             now, claims = trio.current_time(), self._claims()
             doubtful = {
                 address
-                for address in self._worth_probing() - probing
+                for address in self._worth_probing(claims) - probing
                 if self._probe_due(address, claims.get(address, frozenset()), now)
             }
             for c in self._contacts:
